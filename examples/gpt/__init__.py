@@ -1,0 +1,1 @@
+"""GPT-3 style language model example trained with lightning-shard."""
