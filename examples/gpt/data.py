@@ -123,9 +123,10 @@ def prepare(source: str | Path, out_dir: str | Path, val_fraction: float = 0.05)
 
 
 class RandomWindowDataset(Dataset):
-    """``num_samples`` windows of ``block_size + 1`` tokens at offsets drawn once from ``seed``.
+    """``num_samples`` windows of ``block_size + 1`` tokens, the offset of window ``i`` drawn from ``(seed, i)``.
 
-    Item ``i`` is ``(x, y)`` with ``y`` the window shifted by one token, so ``y[t]`` is the token after ``x[t]``.
+    Offsets are computed per item rather than stored, so a dataset of hundreds of millions of samples costs no
+    memory. Item ``i`` is ``(x, y)`` with ``y`` the window shifted by one token: ``y[t]`` follows ``x[t]``.
 
     Example:
         >>> x, y = RandomWindowDataset(np.arange(100, dtype=np.uint16), block_size=8, num_samples=4)[0]
@@ -138,13 +139,14 @@ class RandomWindowDataset(Dataset):
             raise ValueError(f"Need more than block_size + 1 = {block_size + 1} tokens, got {len(tokens)}.")
         self.tokens = tokens
         self.block_size = block_size
-        self.offsets = np.random.default_rng(seed).integers(0, len(tokens) - block_size - 1, size=num_samples)
+        self.num_samples = num_samples
+        self.seed = seed
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        offset = self.offsets[index]
+        offset = np.random.default_rng([self.seed, index]).integers(0, len(self.tokens) - self.block_size - 1)
         window = torch.from_numpy(self.tokens[offset : offset + self.block_size + 1].astype(np.int64))
         return window[:-1], window[1:]
 
@@ -152,9 +154,10 @@ class RandomWindowDataset(Dataset):
 class ResumableSampler(Sampler[int]):
     """Per-epoch shuffled (or ordered) indices, split across data-parallel ranks, resumable mid-epoch.
 
-    Each rank takes every ``world_size``-th index of the epoch's permutation; the tail that does not divide evenly
-    is dropped so every rank runs the same number of steps. Rank and world size default to those of
-    ``torch.distributed`` when it is initialised.
+    Each rank takes every ``world_size``-th index of the epoch's order (a fresh permutation per epoch, or
+    ``0, 1, 2, ...`` without ``shuffle``, which suits datasets too large to permute and whose items are already
+    random); the tail that does not divide evenly is dropped so every rank runs the same number of steps.
+    Rank and world size default to those of ``torch.distributed`` when it is initialised.
 
     The owner reports how many samples training actually consumed with :meth:`consume` (the data loader runs ahead
     of training, so counting what ``__iter__`` yielded would skip the prefetched batches on resume).
@@ -202,15 +205,14 @@ class ResumableSampler(Sampler[int]):
         self.consumed += num_samples
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
-        else:
-            order = list(range(self.num_samples))
-        shard = order[self.rank : len(self) * self.world_size : self.world_size]
         # A finished epoch that is iterated again without set_epoch() starts over rather than yielding nothing.
-        start = self.consumed if self.consumed < len(shard) else 0
-        return iter(shard[start:])
+        start = self.consumed if self.consumed < len(self) else 0
+        # This rank's positions in the epoch's order: rank, rank + world_size, ... (a lazy range, no list).
+        positions = range(self.rank + start * self.world_size, len(self) * self.world_size, self.world_size)
+        if not self.shuffle:
+            return iter(positions)
+        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return (int(order[position]) for position in positions)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "consumed": self.consumed, "world_size": self.world_size}
@@ -260,6 +262,7 @@ class TokenDataModule(LightningDataModule):
         block_size: int = 128,
         batch_size: int = 16,
         samples_per_epoch: int = 100_000,
+        shuffle: bool = True,
         val_samples: int = 512,
         val_fraction: float = 0.05,
         max_bytes: int = 4_000_000,
@@ -272,6 +275,7 @@ class TokenDataModule(LightningDataModule):
             block_size: tokens per sample (the model's context length).
             batch_size: samples per batch and rank.
             samples_per_epoch: training windows per epoch, across all ranks.
+            shuffle: permute the windows anew each epoch (off for runs of one huge epoch; windows are random anyway).
             val_samples: validation windows, across all ranks.
             val_fraction: share of text held out for validation (text sources only).
             max_bytes: cap on text read from text sources.
@@ -305,6 +309,8 @@ class TokenDataModule(LightningDataModule):
             return
         if self.hparams.data_path is None:
             text = stdlib_text_bytes(self.hparams.max_bytes)
+        elif not Path(self.hparams.data_path).exists():
+            raise FileNotFoundError(f"data_path {self.hparams.data_path!r} does not exist.")
         else:
             text = read_text_bytes(self.hparams.data_path, self.hparams.max_bytes)
         tokens = np.frombuffer(text, dtype=np.uint8)
@@ -313,7 +319,7 @@ class TokenDataModule(LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         hp = self.hparams
         dataset = RandomWindowDataset(self.train_tokens, hp.block_size, hp.samples_per_epoch, seed=hp.seed)
-        self._train_sampler = ResumableSampler(len(dataset), shuffle=True, seed=hp.seed)
+        self._train_sampler = ResumableSampler(len(dataset), shuffle=hp.shuffle, seed=hp.seed)
         return ResumableDataLoader(
             dataset, batch_size=hp.batch_size, sampler=self._train_sampler, num_workers=hp.num_workers
         )

@@ -211,11 +211,11 @@ class GPT(LightningModule):
         self.val_loss.update(self._loss(batch))
 
     def on_validation_epoch_end(self) -> None:
-        # compute() averages over all ranks, so every rank logs the same global values.
+        # compute() already averages over all ranks; sync_dist=True only tells Lightning the values are global.
         mean_loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val_loss", mean_loss, prog_bar=True)
-        self.log("val_ppl", torch.exp(mean_loss))
+        self.log("val_loss", mean_loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", torch.exp(mean_loss), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
