@@ -1,1 +1,25 @@
-"""lightning-shard."""
+"""lightning-shard: Fully Sharded Data Parallel (FSDP2) training for PyTorch Lightning.
+
+Importing the package registers the strategy names with Lightning's registry, so this is all a user needs:
+
+    >>> import lightning as L
+    >>> import lightning_shard  # noqa: F401
+    >>> trainer = L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_shard.checkpoint_io import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_shard.config import ShardingConfig
+from lightning_shard.precision import ShardedPrecision
+from lightning_shard.strategy import ShardedStrategy
+
+ShardedStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "ShardedCheckpointIO",
+    "ShardedPrecision",
+    "ShardedStrategy",
+    "ShardingConfig",
+    "is_sharded_checkpoint",
+]

@@ -1,0 +1,219 @@
+"""``ShardedCheckpointIO``: sharded (torch.distributed.checkpoint) and full (one ``torch.save`` file) checkpoints.
+
+Layouts - both hold the whole Lightning checkpoint, model weights under ``"state_dict"`` with the plain module's
+parameter names and optimizer states under ``"optimizer_states"`` keyed by parameter names:
+
+* sharded: a directory written by ``torch.distributed.checkpoint`` (DCP); every rank writes its shards.
+  ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file)`` turns it into a full file.
+* full: one file written by rank 0 from a state dict gathered to CPU memory, readable with plain ``torch.load``.
+
+Writes are atomic: into a hidden temporary sibling, renamed over the target once every rank has finished,
+so an interrupted save never leaves something that looks like a complete checkpoint.
+Either format loads into any world size: DCP reshards, and a full file is read by rank 0 and broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+MODEL_KEY = "state_dict"
+OPTIMIZER_KEY = "optimizer_states"
+_DCP_METADATA = ".metadata"
+
+
+def is_sharded_checkpoint(path: _PATH) -> bool:
+    """Whether ``path`` is a directory written by torch.distributed.checkpoint.
+
+    Example:
+        >>> is_sharded_checkpoint("missing.ckpt")
+        False
+    """
+    return Path(path).is_dir() and (Path(path) / _DCP_METADATA).is_file()
+
+
+class ShardedCheckpointIO(CheckpointIO):
+    """Saves and loads the checkpoints of :class:`~lightning_shard.ShardedStrategy`.
+
+    The strategy calls :meth:`save_checkpoint` and :meth:`load_into` on every rank.
+
+    Example:
+        >>> import lightning as L
+        >>> from lightning_shard import ShardedStrategy
+        >>> strategy = ShardedStrategy(checkpoint_io=ShardedCheckpointIO(), state_dict_type="full")
+    """
+
+    # ------------------------------------------------------------------ state dicts
+
+    @staticmethod
+    def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
+        """The model's state dict: its DTensor shards, or (``full``) whole CPU tensors on rank 0, ``{}`` elsewhere."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    @staticmethod
+    def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter names, sharded or (``full``) gathered to rank 0."""
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+        )
+
+    # ------------------------------------------------------------------ save
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically; call on every rank."""
+        if storage_options is not None:
+            raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
+        path = Path(path)
+        if _holds_shards(checkpoint):
+            self._save_sharded(checkpoint, path)
+        else:
+            self._save_full(checkpoint, path)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
+        staging = _staging_path(path)
+        dcp.save(checkpoint, checkpoint_id=staging)
+        _barrier()
+        if _rank() == 0:
+            _replace(staging, path)
+        _barrier()
+
+    def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
+        if _rank() == 0:
+            staging = _staging_path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, staging)
+            _replace(staging, path)
+        _barrier()
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Delete a checkpoint file or directory (call on one rank)."""
+        path = Path(path)
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+    # ------------------------------------------------------------------ load
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        """Read a whole checkpoint of either format into this process (no model needed)."""
+        path = _existing(path)
+        if is_sharded_checkpoint(path):
+            return _load_state_dict_from_keys(checkpoint_id=str(path))
+        return torch.load(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+
+    def load_into(
+        self,
+        path: _PATH,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
+        from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
+        path = _existing(path)
+        load_optimizers = bool(optimizers) and not weights_only
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path, model, optimizers if load_optimizers else [], strict)
+        return self._load_full(path, model, optimizers if load_optimizers else [], strict)
+
+    def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        saved_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+        target: dict[str, Any] = {MODEL_KEY: self.model_state(model, full=False)}
+        if optimizers:
+            if OPTIMIZER_KEY not in saved_keys:
+                raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
+            target[OPTIMIZER_KEY] = [self.optimizer_state(model, opt, full=False) for opt in optimizers]
+        dcp.load(target, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+        set_model_state_dict(model, target[MODEL_KEY], options=StateDictOptions(strict=strict))
+        for optimizer, state in zip(optimizers, target.get(OPTIMIZER_KEY, [])):
+            set_optimizer_state_dict(model, optimizer, state)
+        rest = _load_state_dict_from_keys(keys=saved_keys - {MODEL_KEY, OPTIMIZER_KEY}, checkpoint_id=str(path))
+        return rest
+
+    def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
+        # Rank 0 reads the file; the others receive the weights by broadcast and never touch it.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False) if _rank() == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=strict)
+        set_model_state_dict(model, checkpoint.pop(MODEL_KEY, {}), options=options)
+        optimizer_states = checkpoint.pop(OPTIMIZER_KEY, None)
+        if optimizers:
+            has_states = _broadcast_object(optimizer_states is not None)
+            if not has_states:
+                raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
+            for index, optimizer in enumerate(optimizers):
+                state = optimizer_states[index] if optimizer_states is not None else {}
+                set_optimizer_state_dict(model, optimizer, state, options=options)
+        return _broadcast_object(checkpoint)
+
+
+def _holds_shards(checkpoint: dict[str, Any]) -> bool:
+    return any(isinstance(value, DTensor) for value in checkpoint.get(MODEL_KEY, {}).values())
+
+
+def _existing(path: _PATH) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint not found: {path}")
+    return path
+
+
+def _staging_path(path: Path) -> Path:
+    # One name for all ranks: rank 0 draws it and broadcasts it.
+    token = _broadcast_object(uuid.uuid4().hex[:8])
+    return path.with_name(f".{path.name}.tmp-{token}")
+
+
+def _replace(staging: Path, path: Path) -> None:
+    """Move ``staging`` to ``path``; an existing checkpoint there is moved aside first and deleted last."""
+    retired = path.with_name(f".{path.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+    if path.exists():
+        os.replace(path, retired)
+    os.replace(staging, path)
+    if retired.is_dir():
+        shutil.rmtree(retired)
+    elif retired.exists():
+        retired.unlink()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

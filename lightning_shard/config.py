@@ -1,0 +1,105 @@
+"""``ShardingConfig``: the user's sharding settings, checked once at construction.
+
+Every check here runs before any process starts, and every error names the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from lightning_shard.wrap import WrapPolicy, validate_policy
+
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+StateDictType = Literal["sharded", "full"]
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """What to shard and how; the strategy applies it, :func:`~lightning_shard.parallelize.parallelize_module` reads it.
+
+    Example:
+        >>> ShardingConfig(sharding_strategy="SHARD_GRAD_OP").unit_reshard_after_forward
+        False
+        >>> ShardingConfig(sharding_strategy="HYBRID_SHARD").mesh_shape(world_size=8, devices_per_node=4)
+        (2, 4)
+    """
+
+    sharding_strategy: ShardingStrategyName = "FULL_SHARD"
+    auto_wrap_policy: WrapPolicy = "auto"
+    activation_checkpointing: WrapPolicy = None
+    reshard_after_forward: bool | int | None = None
+    cpu_offload: bool | CPUOffloadPolicy = False
+    hybrid_shard_size: int | None = None
+    state_dict_type: StateDictType = "sharded"
+
+    def __post_init__(self) -> None:
+        _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
+        _check_choice("state_dict_type", self.state_dict_type, get_args(StateDictType))
+        validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
+        validate_policy(self.activation_checkpointing, "activation_checkpointing")
+        if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
+            raise TypeError(
+                f"`cpu_offload={self.cpu_offload!r}` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`."
+            )
+        if self.cpu_offload and self.sharding_strategy == "NO_SHARD":
+            raise ValueError(
+                "`cpu_offload=True` with `sharding_strategy='NO_SHARD'` would copy every whole parameter between CPU "
+                "and device each step; offload goes with sharding: use `sharding_strategy='FULL_SHARD'`."
+            )
+        rafp = self.reshard_after_forward
+        if rafp is not None and not isinstance(rafp, (bool, int)):
+            raise TypeError(f"`reshard_after_forward={rafp!r}` must be a bool, an int shard size, or None.")
+        if isinstance(rafp, int) and not isinstance(rafp, bool) and rafp < 2:
+            raise ValueError(
+                f"`reshard_after_forward={rafp}`: an int is the group size to reshard to after forward and must be "
+                "at least 2 and divide the shard group size; use True/False for full or no resharding."
+            )
+        if rafp is not None and self.sharding_strategy == "NO_SHARD":
+            raise ValueError(
+                f"`reshard_after_forward={rafp!r}` has no effect with `sharding_strategy='NO_SHARD'` (nothing is "
+                "sharded); drop it or choose 'FULL_SHARD'."
+            )
+        size = self.hybrid_shard_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"`hybrid_shard_size={size!r}` must be an int number of ranks per shard group.")
+            if size < 1:
+                raise ValueError(f"`hybrid_shard_size={size}` must be a positive number of ranks per shard group.")
+            if self.sharding_strategy != "HYBRID_SHARD":
+                raise ValueError(
+                    f"`hybrid_shard_size={size}` only applies to `sharding_strategy='HYBRID_SHARD'`, "
+                    f"not {self.sharding_strategy!r}."
+                )
+
+    @property
+    def unit_reshard_after_forward(self) -> bool | int:
+        """``reshard_after_forward`` for the non-root units."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        # NO_SHARD's shard groups hold one rank: resharding would only copy.
+        return self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+    def mesh_shape(self, world_size: int, devices_per_node: int) -> tuple[int, ...]:
+        """The data-parallel mesh: ``(world,)`` to shard over all ranks, ``(replicas, shard_size)`` otherwise.
+
+        NO_SHARD is FSDP2 on a ``(world, 1)`` mesh: each parameter is replicated and "sharded" over one rank.
+        """
+        if self.sharding_strategy == "NO_SHARD":
+            return (world_size, 1)
+        if self.sharding_strategy != "HYBRID_SHARD":
+            return (world_size,)
+        shard_size = self.hybrid_shard_size or devices_per_node
+        if world_size % shard_size:
+            raise ValueError(
+                f"`hybrid_shard_size={shard_size}` does not divide the world size {world_size}; choose a divisor of "
+                f"{world_size} (by default it is the devices per node)."
+            )
+        return (world_size // shard_size, shard_size)
+
+
+def _check_choice(argument: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"`{argument}={value!r}` is not one of {choices}.")

@@ -1,0 +1,112 @@
+"""``parallelize_module``: one function that reads top to bottom - which modules are checkpointed, which become
+FSDP units, with which policies - in the manner of torchtitan's ``parallelize`` functions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from lightning_shard.config import ShardingConfig
+from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.wrap import select_modules
+
+
+def parallelize_module(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: ShardingConfig,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    device: torch.device,
+    forward_methods: Sequence[str] = (),
+) -> list[nn.Module]:
+    """Checkpoint, shard and materialise ``model`` in place; return the FSDP units below the root.
+
+    Args:
+        model: the model, built eagerly or on the meta device.
+        mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh.
+        config: the wrap and checkpointing policies and ``reshard_after_forward``.
+        mp_policy, offload_policy: handed to every ``fully_shard`` call.
+        device: where the model computes.
+        forward_methods: methods of the root besides ``forward`` that run the model (Lightning's step methods).
+
+    Example:
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> mesh = init_device_mesh("cpu", (1,))  # doctest: +SKIP
+        >>> parallelize_module(model, mesh, ShardingConfig(auto_wrap_policy={Block}),
+        ...                    mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
+        ...                    device=torch.device("cpu"))  # doctest: +SKIP
+    """
+    meta = has_meta_tensors(model)
+    if not meta:
+        # An eagerly built model exists on every rank; make the replicas identical before each keeps its shard,
+        # as DDP does when it wraps a model.
+        _broadcast_from_rank_zero(model, device)
+    units = select_modules(model, config.auto_wrap_policy, "auto_wrap_policy")
+    checkpointed = select_modules(model, config.activation_checkpointing, "activation_checkpointing")
+    wrappers = _apply_activation_checkpointing(model, checkpointed)
+
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for unit in units:
+        shard(wrappers.get(id(unit), unit), reshard_after_forward=config.unit_reshard_after_forward)
+    # The root keeps its parameters gathered after forward (FSDP's default): backward needs them first.
+    shard(model)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
+
+    if meta:
+        materialize_sharded_module(
+            model, torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+        )
+    return units
+
+
+def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) -> dict[int, nn.Module]:
+    """Wrap ``modules`` in torch's non-reentrant ``checkpoint_wrapper``; map each module's id to its wrapper.
+
+    The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; state dicts taken through
+    torch.distributed.checkpoint and ``Module.state_dict()`` drop it again, so checkpoints keep the plain names.
+    """
+    if not modules:
+        return {}
+    selected = {id(m) for m in modules}
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda module: id(module) in selected,
+    )
+    return {
+        id(wrapper._checkpoint_wrapped_module): wrapper
+        for wrapper in model.modules()
+        if isinstance(wrapper, CheckpointWrapper)
+    }
+
+
+def _broadcast_from_rank_zero(model: nn.Module, device: torch.device) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            # nccl broadcasts device tensors only; copy through `device` one tensor at a time.
+            staged = tensor.detach().to(device)
+            dist.broadcast(staged, src=0)
+            tensor.copy_(staged)

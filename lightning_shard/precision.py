@@ -1,0 +1,186 @@
+"""The precision plugin: Lightning precision strings -> FSDP2 ``MixedPrecisionPolicy``.
+
+| ``precision=``  | stored (sharded) params | compute / all-gather | gradient reduce        | grad scaler         |
+|-----------------|-------------------------|----------------------|------------------------|---------------------|
+| ``"32-true"``   | fp32                    | fp32                 | fp32                   | -                   |
+| ``"bf16-mixed"``| fp32                    | bf16                 | fp32 (``reduce_dtype``)| -                   |
+| ``"16-mixed"``  | fp32                    | fp16                 | fp32 (``reduce_dtype``)| ``ShardedGradScaler`` |
+| ``"bf16-true"`` | bf16                    | bf16                 | bf16                   | -                   |
+| ``"16-true"``   | fp16                    | fp16                 | fp16                   | -                   |
+
+Mixed precision is FSDP's module-level kind (parameters are cast when a unit is all-gathered), not autocast:
+the fp32 sharded parameters stay the optimizer's master copy, so there is no second copy of the weights.
+Gradients are reduced in fp32 by default, the safe choice torchtitan makes; pass ``reduce_dtype=torch.bfloat16``
+to halve the reduce-scatter traffic (fairseq reduces in fp16 unless ``--fp32-reduce-scatter`` is given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, get_args
+
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+ShardedPrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+
+_COMPUTE_DTYPE = {
+    "32-true": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
+# Lightning spells some precisions in short forms; the accelerator connector normalises most of them already.
+_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+class ShardedPrecision(Precision):
+    """Precision for :class:`~lightning_shard.ShardedStrategy`, applied through FSDP2's ``MixedPrecisionPolicy``.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
+        reduce_dtype: dtype of the gradient reduce-scatter / all-reduce for the mixed precisions
+            (default fp32; ``torch.bfloat16`` / ``torch.float16`` trade accuracy for bandwidth).
+        scaler: a ``ShardedGradScaler`` for ``"16-mixed"`` (one is created when omitted).
+
+    Example:
+        >>> ShardedPrecision("bf16-mixed").mp_policy.param_dtype
+        torch.bfloat16
+    """
+
+    def __init__(
+        self,
+        precision: ShardedPrecisionInput = "32-true",
+        reduce_dtype: torch.dtype | None = None,
+        scaler: Any | None = None,
+    ) -> None:
+        precision = _ALIASES.get(str(precision), precision)  # type: ignore[assignment]
+        supported = get_args(ShardedPrecisionInput)
+        if precision not in supported:
+            raise ValueError(
+                f"`precision={precision!r}` is not supported by the sharded strategy; use one of {supported}."
+            )
+        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+            raise TypeError(f"`reduce_dtype={reduce_dtype!r}` must be a floating torch.dtype such as torch.float32.")
+        if reduce_dtype is not None and "mixed" not in precision:
+            raise ValueError(
+                f"`reduce_dtype={reduce_dtype}` only applies to the mixed precisions; with `precision={precision!r}` "
+                "gradients are reduced in the parameter dtype. Drop `reduce_dtype` or pick a '-mixed' precision."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"`precision={precision!r}` does not use a grad scaler, but one was given: {scaler}.")
+        self.precision = precision  # type: ignore[assignment]
+        self.reduce_dtype = reduce_dtype
+        self.scaler = scaler if scaler is not None or precision != "16-mixed" else _sharded_grad_scaler()
+        self._compute_dtype = _COMPUTE_DTYPE[precision]
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype parameters are stored (and optimised) in: fp32 except for the '-true' half precisions."""
+        return self._compute_dtype if self.precision.endswith("-true") else torch.float32
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype parameters have inside forward and backward."""
+        return self._compute_dtype
+
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """The ``MixedPrecisionPolicy`` handed to every ``fully_shard`` call."""
+        if not self.precision.endswith("-mixed"):
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        if self.precision.endswith("-true"):
+            return module.to(dtype=self._compute_dtype)
+        return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(self.param_dtype)
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        # Mixed precision happens inside the FSDP units; only '-true' precisions change the default dtype so
+        # tensors created during the step match the parameters.
+        if self.precision.endswith("-true"):
+            return _DtypeContextManager(self._compute_dtype)
+        return nullcontext()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self.precision.endswith("-true"):
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._compute_dtype)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # Unscale before the clipping hook so `gradient_clip_val` sees true gradients.
+        self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not model.automatic_optimization or closure_result is not None:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm(self.main_params(optimizer), clip_val)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Clip gradients to a global norm computed over all shards; returns the total norm (a plain tensor).
+
+    ``torch.nn.utils.clip_grad_norm_`` accepts DTensor gradients: the per-shard norms reduce to the norm of the
+    full gradient. Parameters of different meshes (none here) would need one norm per mesh.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
+        >>> float(clip_grad_norm([p], 1.0))
+        6.0
+    """
+    total_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+
+
+def _sharded_grad_scaler() -> Any:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # The device is fixed when the first gradients are unscaled; "cuda" is only the default for the tensors
+    # ShardedGradScaler allocates before it has seen one.
+    return ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")

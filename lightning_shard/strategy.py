@@ -1,0 +1,464 @@
+"""``ShardedStrategy``: Lightning's ``ParallelStrategy`` on FSDP2 ``fully_shard``.
+
+Lightning calls the hooks below in this order: ``setup_environment`` (process group, device mesh), the module's
+``configure_model`` inside ``tensor_init_context`` (meta device), ``setup`` (activation checkpointing, sharding,
+materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation steps,
+and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard.checkpoint_io import ShardedCheckpointIO
+from lightning_shard.config import ShardingConfig, StateDictType
+from lightning_shard.parallelize import parallelize_module
+from lightning_shard.precision import ShardedPrecision
+from lightning_shard.wrap import WrapPolicy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# Methods FSDP must treat as forward: Lightning calls the step methods, not `forward`, so the root unit's
+# parameters (embeddings, final norm) are gathered around them.
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class ShardedStrategy(ParallelStrategy):
+    """Fully Sharded Data Parallel training on FSDP2 ``fully_shard``, on CPU (gloo) and CUDA (nccl).
+
+    Args:
+        sharding_strategy: ``"FULL_SHARD"`` (parameters, gradients and optimizer states sharded),
+            ``"SHARD_GRAD_OP"`` (parameters kept gathered between forward and backward), ``"NO_SHARD"``
+            (replicated, like DDP) or ``"HYBRID_SHARD"`` (sharded within a node, replicated across nodes).
+        auto_wrap_policy: which submodules become FSDP units: module classes, class names (``["Block"]``), a
+            minimum parameter count, a callable ``module -> bool``, ``None`` (the root only) or ``"auto"``
+            (the block class repeated in ``ModuleList``/``Sequential`` containers).
+        activation_checkpointing: which submodules recompute their activations in backward, in the same forms.
+        reshard_after_forward: override the strategy's choice for every unit (bool, or an int shard size).
+        cpu_offload: ``True`` or a ``CPUOffloadPolicy`` keeps sharded parameters, gradients and optimizer states
+            in CPU memory (CUDA only; on a CPU accelerator it changes nothing).
+        hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
+        reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
+        state_dict_type: ``"sharded"`` (a torch.distributed.checkpoint directory) or ``"full"`` (one file).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(strategy=ShardedStrategy(auto_wrap_policy=["Block"]), accelerator="cpu", devices=2)
+    """
+
+    strategy_name = "fully_sharded"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD",
+        auto_wrap_policy: WrapPolicy = "auto",
+        activation_checkpointing: WrapPolicy = None,
+        reshard_after_forward: bool | int | None = None,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        hybrid_shard_size: int | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        state_dict_type: StateDictType = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.config = ShardingConfig(
+            sharding_strategy=sharding_strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            hybrid_shard_size=hybrid_shard_size,
+            state_dict_type=state_dict_type,
+        )
+        if start_method not in _START_METHODS:
+            raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"`timeout={timeout!r}` must be a datetime.timedelta, e.g. `timedelta(minutes=10)`.")
+        self._reduce_dtype = reduce_dtype
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._device_mesh: DeviceMesh | None = None
+
+    # ------------------------------------------------------------------ properties Lightning reads
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells the Trainer to add a DistributedSampler and honour ``sync_dist``."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for hybrid / no sharding."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once `setup_environment()` has initialised the process group.")
+        return self._device_mesh
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded optimizer state can only be loaded into optimizers built on the sharded parameters.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> ShardedPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ShardedPrecision) else ShardedPrecision(reduce_dtype=self._reduce_dtype)
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # The accelerator connector hands every strategy a generic plugin (autocast MixedPrecision, HalfPrecision,
+        # ...) for the `precision=` string; FSDP does mixed precision itself, so translate the string.
+        if precision_plugin is not None and not isinstance(precision_plugin, ShardedPrecision):
+            precision_plugin = ShardedPrecision(precision_plugin.precision, reduce_dtype=self._reduce_dtype)
+        self._precision_plugin = precision_plugin
+
+    @property  # type: ignore[override]
+    @override
+    def checkpoint_io(self) -> ShardedCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO()
+        if not isinstance(self._checkpoint_io, ShardedCheckpointIO):
+            raise TypeError(
+                f"`checkpoint_io={self._checkpoint_io!r}`: the sharded strategy writes through `ShardedCheckpointIO` "
+                "(torch.distributed.checkpoint); pass an instance of it or a subclass."
+            )
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    # ------------------------------------------------------------------ launch and process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = self._build_device_mesh()
+        if self.lightning_module is not None:
+            # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _build_device_mesh(self) -> DeviceMesh:
+        shape = self.config.mesh_shape(self.world_size, self.num_processes)
+        device_type = self.root_device.type
+        if len(shape) == 1:
+            return init_device_mesh(device_type, shape, mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+    # ------------------------------------------------------------------ model
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Unless told otherwise, create on the meta device: `setup()` shards first and materialises afterwards,
+        # so a model larger than one rank's memory never exists whole.
+        meta = torch.device("meta") if empty_init is not False else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _evaluate_without_inference_mode(trainer)
+        if not isinstance(self.model, FSDPModule):
+            self._shard_model()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self.device_mesh["shard"].size() > 1:
+                _check_optimizers_are_elementwise(self.optimizers)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard_model(self) -> None:
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        units = parallelize_module(
+            self.model,
+            self.device_mesh,
+            self.config,
+            mp_policy=self.precision_plugin.mp_policy,
+            offload_policy=self._offload_policy(),
+            device=self.root_device,
+            forward_methods=[name for name in _STEP_METHODS if hasattr(self.model, name)],
+        )
+        rank_zero_info(
+            f"{type(self).__name__}: {self.config.sharding_strategy} over mesh {tuple(self.device_mesh.shape)}, "
+            f"{len(units)} FSDP units + root: {sorted({type(u).__name__.removeprefix('FSDP') for u in units})}"
+        )
+
+    def _offload_policy(self) -> OffloadPolicy:
+        if not self.config.cpu_offload:
+            return OffloadPolicy()
+        if self.root_device.type == "cpu":
+            rank_zero_info("`cpu_offload` changes nothing on a CPU accelerator: the shards already live in CPU memory.")
+            return OffloadPolicy()
+        return self.config.cpu_offload if isinstance(self.config.cpu_offload, CPUOffloadPolicy) else CPUOffloadPolicy()
+
+    @override
+    def model_to_device(self) -> None:
+        # `fully_shard` places the managed parameters and buffers on the mesh's device (or on the CPU when offloading).
+        pass
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # Optimizers from an earlier `fit` hold references to this model's parameters; rebuild them.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter on non-final accumulation micro-batches (FSDP2 ``no_sync``)."""
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self.checkpoint_io.model_state(self.model, full=self.config.state_dict_type == "full")
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return self.checkpoint_io.optimizer_state(self.model, optimizer, full=self.config.state_dict_type == "full")
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Every rank takes part: a sharded save writes each rank's shard, a full save gathers to rank 0.
+        path = self.broadcast(str(filepath))
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+        self.barrier("remove_checkpoint")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None
+        assert self.lightning_module is not None
+        path = self.broadcast(str(checkpoint_path))
+        return self.checkpoint_io.load_into(
+            path,
+            self.model,
+            [opt._optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers],
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # `load_checkpoint` already loaded the weights into the sharded model.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # `load_checkpoint` already loaded the optimizer states into the sharded optimizers.
+        pass
+
+    @override
+    def teardown(self) -> None:
+        self.checkpoint_io.teardown()
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = {
+            "fully_sharded": ("FULL_SHARD", False, "shards parameters, gradients and optimizer states (FSDP2)"),
+            "fully_sharded_grad_op": ("SHARD_GRAD_OP", False, "keeps parameters gathered from forward to backward"),
+            "fully_sharded_offload": ("FULL_SHARD", True, "FULL_SHARD with parameters and states in CPU memory"),
+            "hybrid_sharded": ("HYBRID_SHARD", False, "shards within a node, replicates across nodes"),
+        }
+        for name, (sharding_strategy, cpu_offload, description) in entries.items():
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"lightning-shard: {description}",
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+            )
+
+
+def _evaluate_without_inference_mode(trainer: pl.Trainer) -> None:
+    """Evaluate under ``no_grad`` instead of ``inference_mode``: tensors FSDP all-gathers inside inference mode
+    become inference tensors, which a later training step cannot use (pytorch/pytorch#95957); Lightning makes
+    the same exception for its own FSDPStrategy."""
+    for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
+
+
+# Optimizers whose update for one element depends on others of the same parameter (factored or matrix
+# statistics, layer-wise trust ratios, line searches): on a shard they would compute a different update.
+_NON_ELEMENTWISE_OPTIMIZERS = {"Adafactor", "LBFGS", "Muon", "Shampoo", "DistributedShampoo", "LAMB", "Lamb", "LARS"}
+
+
+def _check_optimizers_are_elementwise(optimizers: list[Optimizer]) -> None:
+    for optimizer in optimizers:
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        name = type(inner).__name__
+        if name in _NON_ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(
+                f"The optimizer {name} computes each update from whole-parameter statistics, but under the sharded "
+                "strategy every rank holds only a shard of each parameter, so its updates would be wrong. Use an "
+                "elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...), or `sharding_strategy='NO_SHARD'`, "
+                "where every rank holds whole parameters."
+            )

@@ -1,0 +1,30 @@
+"""Shared helpers: multi-process tests run real scripts, so Lightning's own launcher starts the other ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = True) -> str:
+    """Run ``python *args`` from the repository root; return stdout+stderr, failing the test on a non-zero exit."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd or REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"`python {' '.join(args)}` exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc.stdout

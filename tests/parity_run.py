@@ -1,0 +1,115 @@
+"""Train the toy model under one or more scenarios and save per-step global losses and the final full weights.
+
+Run as a script (Lightning's subprocess launcher re-runs it for the other ranks):
+    python tests/parity_run.py --devices 2 --out OUT full grad_op ...
+``--devices 1 --reference`` trains with Lightning's single-device strategy: the one-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy import GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+
+import lightning_shard  # noqa: E402,F401
+
+GLOBAL_BATCH = 8
+MAX_STEPS = 8
+
+# name -> (ShardedStrategy kwargs, Trainer kwargs, ToyModel kwargs)
+SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    "full": ({"sharding_strategy": "FULL_SHARD"}, {}, {}),
+    "grad_op": ({"sharding_strategy": "SHARD_GRAD_OP"}, {}, {}),
+    "no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),
+    "clip_norm": ({}, {"gradient_clip_val": 0.05}, {}),
+    "clip_value": ({}, {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}, {}),
+    "accumulate": ({}, {"accumulate_grad_batches": 2}, {}),
+    "meta_init": ({}, {}, {"build": "configure"}),
+    "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
+    "sgd": ({"auto_wrap_policy": None}, {}, {"optimizer": "sgd"}),
+    "evaluate": ({}, {}, {}),
+    "bf16_mixed": ({}, {"precision": "bf16-mixed"}, {}),
+    "fp16_mixed": ({}, {"plugins": "16-mixed"}, {}),
+    "bf16_true": ({}, {"precision": "bf16-true"}, {}),
+    "fp16_true": ({}, {"precision": "16-true"}, {"optimizer": "sgd"}),
+}
+
+
+def run(name: str, devices: int, reference: bool, out: Path) -> None:
+    strategy_kwargs, trainer_kwargs, model_kwargs = SCENARIOS[name]
+    if "plugins" in trainer_kwargs:
+        # Lightning turns `precision="16-mixed"` into bf16 on a CPU accelerator; the plugin keeps fp16.
+        trainer_kwargs = {"plugins": [lightning_shard.ShardedPrecision(trainer_kwargs["plugins"])]}
+    L.seed_everything(0, verbose=False)
+    model = ToyModel(**model_kwargs)
+    recorder = GlobalLossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=_strategy(reference, **strategy_kwargs),
+        max_steps=MAX_STEPS,
+        callbacks=[recorder],
+        **QUIET,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH))
+    result: dict[str, Any] = {
+        "losses": recorder.losses,
+        "forward_dtypes": model.blocks[0].seen_dtypes,
+        "stored_dtype": str(next(model.parameters()).dtype),
+    }
+    if name == "evaluate":
+        result.update(_evaluate(trainer, model, devices, reference))
+    result["weights"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.is_global_zero:
+        torch.save(result, out / f"{name}.pt")
+
+
+def _evaluate(trainer: L.Trainer, model: ToyModel, devices: int, reference: bool) -> dict[str, Any]:
+    """validate + predict after fit (same Trainer, default inference_mode), then validate a fresh model alone."""
+    loader = rank_slice_loader(GLOBAL_BATCH)
+    val_after_fit = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
+    predictions = torch.cat(trainer.predict(model, loader))
+    L.seed_everything(1, verbose=False)
+    fresh = ToyModel()
+    alone = L.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(reference), **QUIET)
+    val_alone = alone.validate(fresh, loader, verbose=False)[0]["val_loss"]
+    return {"val_after_fit": val_after_fit, "predictions": predictions, "val_alone": val_alone}
+
+
+def _strategy(reference: bool, **kwargs: Any) -> Any:
+    return "auto" if reference else lightning_shard.ShardedStrategy(**kwargs)
+
+
+QUIET = {
+    "use_distributed_sampler": False,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.scenarios:
+        run(name, args.devices, args.reference, args.out)
+
+
+if __name__ == "__main__":
+    main()

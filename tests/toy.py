@@ -1,0 +1,101 @@
+"""A small model, a deterministic data split and result recording shared by the multi-process tests.
+
+Parity needs each rank's micro-batch to be its part of the one-process batch: the sampler below gives rank r
+the r-th slice of every global batch, so the mean of the ranks' losses is the one-process loss.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+IN_FEATURES, WIDTH, N_SAMPLES = 8, 16, 64
+
+
+class Block(nn.Module):
+    """A residual MLP block: the repeated unit a wrap policy names."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Recorded for the precision tests: the dtypes compute really runs in, inside the FSDP unit.
+        self.seen_dtypes = (str(x.dtype), str(self.fc1.weight.dtype))
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class ToyModel(L.LightningModule):
+    """Embedding -> 3 blocks -> head, regression loss. ``build="init"`` creates layers in ``__init__`` (eager),
+    ``build="configure"`` in ``configure_model`` (meta device under the sharded strategy)."""
+
+    def __init__(self, build: str = "init", lr: float = 0.01, optimizer: str = "adamw", n_blocks: int = 3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed: nn.Module | None = None
+        if build == "init":
+            self._build()
+
+    def _build(self) -> None:
+        self.embed = nn.Linear(IN_FEATURES, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(self.hparams.n_blocks))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def configure_model(self) -> None:
+        if self.embed is None:
+            self._build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).squeeze(-1)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.optimizer == "adafactor":
+            return torch.optim.Adafactor(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+def dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.randn(N_SAMPLES, IN_FEATURES, generator=generator)
+    y = torch.sin(x.sum(-1)) + 0.1 * torch.randn(N_SAMPLES, generator=generator)
+    return TensorDataset(x, y)
+
+
+def rank_slice_loader(global_batch: int) -> DataLoader:
+    """Rank r of W gets samples [s*B + r*B/W, s*B + (r+1)*B/W) at step s: its slice of the one-process batch."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    per_rank = global_batch // world
+    indices = [start + rank * per_rank + i for start in range(0, N_SAMPLES, global_batch) for i in range(per_rank)]
+    return DataLoader(dataset(), batch_size=per_rank, sampler=indices)
+
+
+class GlobalLossRecorder(L.Callback):
+    """Records the mean over ranks of each micro-batch's loss: the one-process loss of the global batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
