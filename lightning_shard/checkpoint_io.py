@@ -152,7 +152,7 @@ class ShardedCheckpointIO(CheckpointIO):
             target[OPTIMIZER_KEY] = [self.optimizer_state(model, opt, full=False) for opt in optimizers]
         dcp.load(target, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
         set_model_state_dict(model, target[MODEL_KEY], options=StateDictOptions(strict=strict))
-        for optimizer, state in zip(optimizers, target.get(OPTIMIZER_KEY, [])):
+        for optimizer, state in zip(optimizers, target.get(OPTIMIZER_KEY, []), strict=True):
             set_optimizer_state_dict(model, optimizer, state)
         rest = _load_state_dict_from_keys(keys=saved_keys - {MODEL_KEY, OPTIMIZER_KEY}, checkpoint_id=str(path))
         return rest

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 
-WrapPolicy = Union[None, str, int, type, Iterable[Any], Callable[[nn.Module], bool]]
+WrapPolicy = str | int | type | Iterable[Any] | Callable[[nn.Module], bool] | None
 
 _AUTO = "auto"
 
