@@ -1,0 +1,202 @@
+"""Tests for lightning_shard.memory: the per-rank monitor on 2 CPU ranks, the estimator, and the estimate CLI.
+
+Run as a script, this file is the 2-rank training job (Lightning's launcher re-runs it for rank 1).
+"""
+
+import csv
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_shard.memory import estimate_main, estimate_memory, format_estimate_table
+from lightning_shard.memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from lightning_shard.memory.estimate import gpt_parameter_count
+
+MLP_WIDTH = 512
+MLP_DEPTH = 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters
+TRAIN_STEPS = 4
+GIB = 2**30
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(MLP_WIDTH, MLP_WIDTH) for _ in range(MLP_DEPTH)))
+
+
+def _train_two_ranks(out_dir: Path) -> None:
+    """Fit the MLP with ShardedStrategy (every Linear and the root under fully_shard) on 2 gloo ranks."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shard import ShardedStrategy
+    from lightning_shard.memory import ShardedMemoryMonitor
+
+    class ShardedMLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            return self.net(x).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    monitor = ShardedMemoryMonitor(log_every_n_steps=2, output_dir=out_dir / "memory")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardedStrategy(sharding_strategy="FULL_SHARD"),
+        max_steps=TRAIN_STEPS,
+        callbacks=[monitor],
+        logger=CSVLogger(out_dir, name="logs", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = DataLoader(TensorDataset(torch.randn(64, MLP_WIDTH)), batch_size=8)
+    trainer.fit(ShardedMLP(), data)
+    if trainer.is_global_zero:
+        (out_dir / "history.json").write_text(json.dumps(monitor.history))
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out_dir = tmp_path_factory.mktemp("two_ranks")
+    result = subprocess.run(
+        [sys.executable, __file__, str(out_dir)], capture_output=True, text=True, timeout=180, cwd=out_dir
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out_dir, result.stdout
+
+
+def test_measured_model_states_match_formula_within_10_percent(two_rank_run: tuple[Path, str]) -> None:
+    out_dir, _ = two_rank_run
+    last = json.loads((out_dir / "history.json").read_text())[-1]
+    assert last["step"] == TRAIN_STEPS
+    estimate = estimate_memory(_mlp(), world_size=2, sharding_strategy="FULL_SHARD", precision="32-true")
+    expected = estimate.per_rank
+    assert len(last["ranks"]) == 2
+    for measured in last["ranks"]:
+        assert measured["params_bytes"] == pytest.approx(expected.params, rel=0.10)
+        assert measured["grads_bytes"] == pytest.approx(expected.grads, rel=0.10)
+        assert measured["optimizer_bytes"] == pytest.approx(expected.optimizer_states, rel=0.10)
+        total = measured["params_bytes"] + measured["grads_bytes"] + measured["optimizer_bytes"]
+        assert total == pytest.approx(expected.params + expected.grads + expected.optimizer_states, rel=0.10)
+        assert measured["peak_rss_bytes"] >= measured["rss_bytes"] > 0
+
+
+def test_every_rank_is_logged_and_reported(two_rank_run: tuple[Path, str]) -> None:
+    out_dir, stdout = two_rank_run
+    with open(out_dir / "logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    for rank in (0, 1):
+        for metric in ("params_bytes", "grads_bytes", "optimizer_bytes", "rss_bytes", "peak_rss_bytes"):
+            assert all(float(row[f"memory/rank{rank}/{metric}"]) > 0 for row in rows)
+    assert [int(row["step"]) for row in rows] == [2, 4]
+
+    table = stdout[stdout.index("Per-rank memory at step 4") :].splitlines()
+    assert table[1].split()[:3] == ["rank", "params", "(MiB)"]
+    assert [line.split()[0] for line in table[2:4]] == ["0", "1"]
+
+    history = json.loads((out_dir / "memory" / "memory.json").read_text())
+    assert history["world_size"] == 2
+    assert [sample["step"] for sample in history["ranks"]["1"]] == [2, 4]
+    assert (out_dir / "memory" / "memory.csv").read_text().startswith("step,rank,params_bytes")
+    assert (out_dir / "memory" / "memory.png").exists() or "matplotlib is not installed" in stdout
+
+
+def test_accounting_counts_local_storage_once_for_plain_tensors() -> None:
+    layer = nn.Linear(8, 4)  # 36 fp32 parameters
+    assert parameter_bytes(layer.parameters()) == 36 * 4
+    assert gradient_bytes(layer.parameters()) == 0  # no backward yet
+    layer(torch.randn(2, 8)).sum().backward()
+    assert gradient_bytes(layer.parameters()) == 36 * 4
+    flat = torch.zeros(10)
+    assert parameter_bytes([flat[:5], flat[5:], flat]) == 40  # views share one storage
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()
+    assert optimizer_state_bytes([optimizer]) == 36 * 4  # one momentum buffer per parameter
+
+
+def test_13b_on_8_ranks_sits_between_published_figures() -> None:
+    # GPT-3 13B (fairseq transformer_lm_gpt3_13: 40 layers, width 5140, 40 heads) with the GPT-2 vocabulary.
+    n_params, largest_unit = gpt_parameter_count(n_layer=40, n_embd=5140, vocab_size=50257, block_size=2048)
+    estimate = estimate_memory(n_params, world_size=8, precision="bf16-mixed", largest_unit_params=largest_unit)
+    device = estimate.device
+    model_states = device.params + device.grads + device.optimizer_states
+    # ZeRO paper (Rajbhandari et al. 2019): 16 bytes/parameter for mixed-precision Adam, divided over N ranks.
+    assert model_states == pytest.approx(16 * n_params / 8, rel=0.01)
+    # DeepSpeed's ZeRO-3 estimator without offload: 18 bytes/parameter / N + 4 bytes x largest layer.
+    deepspeed = 18 * n_params / 8 + 4 * largest_unit
+    assert 16 * n_params / 8 < device.total_bytes < deepspeed
+    assert 24 * GIB < device.total_bytes < 28.5 * GIB
+    # The docstring's worked example: 16 B x 13.1e9 / 8 is about 24.4 GiB of model states.
+    rounded = estimate_memory(13_100_000_000, world_size=8, precision="bf16-mixed", largest_unit_params=0)
+    assert rounded.device.total_bytes / GIB == pytest.approx(24.4, abs=0.05)
+
+
+def test_offload_checkpointing_and_strategies_move_memory_where_expected() -> None:
+    dims = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 1000, "seq_len": 128, "micro_batch_size": 2}
+    n_params = gpt_parameter_count(4, 256, 1000, 128)[0]
+    full = estimate_memory(n_params, world_size=4, **dims)
+    offloaded = estimate_memory(n_params, world_size=4, cpu_offload=True, **dims)
+    checkpointed = estimate_memory(n_params, world_size=4, activation_checkpointing=True, **dims)
+    unsharded = estimate_memory(n_params, world_size=4, sharding_strategy="NO_SHARD", **dims)
+    hybrid = estimate_memory(n_params, world_size=4, num_nodes=2, sharding_strategy="HYBRID_SHARD", **dims)
+    assert offloaded.cpu.optimizer_states == full.device.optimizer_states and offloaded.device.optimizer_states == 0
+    assert checkpointed.device.activations < full.device.activations
+    assert unsharded.device.params == 4 * full.device.params
+    assert hybrid.device.params == 2 * full.device.params
+    table = format_estimate_table(n_params, world_size=4, **dims).splitlines()
+    assert len(table) == 2 + 4 * 2 * 2
+
+
+def test_simulated_step_matches_formula_model_states() -> None:
+    simulated = estimate_memory(_mlp, mode="simulate", world_size=4, input_fn=partial(torch.randn, 8, MLP_WIDTH))
+    formula = estimate_memory(_mlp(), world_size=4)
+    assert simulated.n_params == formula.n_params == MLP_DEPTH * (MLP_WIDTH**2 + MLP_WIDTH)
+    assert simulated.device.params == formula.device.params
+    assert simulated.device.optimizer_states == pytest.approx(formula.device.optimizer_states, rel=0.01)
+    assert simulated.device.total_bytes > simulated.device.params + simulated.device.optimizer_states
+
+
+def test_estimate_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "trainer:\n  devices: 2\n  precision: bf16-mixed\n"
+        "  strategy:\n    class_path: lightning_shard.ShardedStrategy\n"
+        "    init_args: {sharding_strategy: FULL_SHARD, cpu_offload: false}\n"
+        "model:\n  class_path: torch.nn.Linear\n  init_args: {in_features: 64, out_features: 32}\n"
+    )
+    assert estimate_main(["--config", str(config), "--devices", "4", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["n_params"] == 64 * 32 + 32
+    per_rank = payload["per_rank"]
+    assert set(per_rank) == {"total_bytes", "params", "grads", "optimizer_states", "gathered_peak", "activations"}
+    assert per_rank["total_bytes"] == sum(v for k, v in per_rank.items() if k != "total_bytes")
+    assert per_rank["params"] == (64 * 32 + 32) * 4 // 4  # fp32 shards over 4 ranks
+
+
+def test_estimate_cli_falls_back_to_gpt_formula(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gpt.yaml"
+    config.write_text(
+        "trainer: {devices: 8, num_nodes: 2, precision: bf16-mixed}\n"
+        "model: {n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 256, block_size: 32}\n"
+    )
+    assert estimate_main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{gpt_parameter_count(2, 64, 256, 32)[0]:,} parameters on 16 ranks (2 node(s))")
+    assert "HYBRID_SHARD" in out
+    assert estimate_main(["--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+if __name__ == "__main__":
+    _train_two_ranks(Path(sys.argv[1]))
