@@ -10,6 +10,7 @@ and input functions must be picklable (module-level functions or ``functools.par
 
 Example:
     >>> from functools import partial
+    >>> from lightning_shard.memory import estimate_memory
     >>> est = estimate_memory(partial(nn.Linear, 64, 64), mode="simulate", world_size=4,
     ...                       input_fn=partial(torch.randn, 8, 64))  # doctest: +SKIP
 """
