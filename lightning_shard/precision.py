@@ -70,8 +70,7 @@ class ShardedPrecision(Precision):
             raise ValueError(
                 f"`precision={precision!r}` is not supported by the sharded strategy; use one of {supported}."
             )
-        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise TypeError(f"`reduce_dtype={reduce_dtype!r}` must be a floating torch.dtype such as torch.float32.")
+        check_reduce_dtype(reduce_dtype)
         if reduce_dtype is not None and "mixed" not in precision:
             raise ValueError(
                 f"`reduce_dtype={reduce_dtype}` only applies to the mixed precisions; with `precision={precision!r}` "
@@ -176,6 +175,16 @@ def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
     """
     total_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
     return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+
+
+def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
+    """Raise ``TypeError`` unless ``reduce_dtype`` is None or a floating dtype.
+
+    Example:
+        >>> check_reduce_dtype(torch.bfloat16)
+    """
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"`reduce_dtype={reduce_dtype!r}` must be a floating torch.dtype such as torch.float32.")
 
 
 def _sharded_grad_scaler() -> Any:

@@ -46,7 +46,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint_io import ShardedCheckpointIO
 from lightning_shard.config import ShardingConfig, StateDictType
 from lightning_shard.parallelize import parallelize_module
-from lightning_shard.precision import ShardedPrecision
+from lightning_shard.precision import ShardedPrecision, check_reduce_dtype
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ class ShardedStrategy(ParallelStrategy):
             raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"`timeout={timeout!r}` must be a datetime.timedelta, e.g. `timedelta(minutes=10)`.")
+        check_reduce_dtype(reduce_dtype)
         self._reduce_dtype = reduce_dtype
         super().__init__(
             accelerator=accelerator,

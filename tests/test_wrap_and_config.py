@@ -1,0 +1,180 @@
+"""Policies, settings and their errors: pure functions and a one-rank process group, no Trainer."""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from toy import Block, ToyModel
+
+import lightning_shard
+from lightning_shard import ShardedStrategy, ShardingConfig
+from lightning_shard.materialize import materialize_sharded_module
+from lightning_shard.parallelize import parallelize_module
+from lightning_shard.wrap import candidate_block_classes, select_modules
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    store = dist.FileStore(tempfile.mktemp(), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def unit_names(model: nn.Module, mesh, **config) -> list[str]:
+    parallelize_module(
+        model,
+        mesh,
+        ShardingConfig(**config),
+        mp_policy=MixedPrecisionPolicy(),
+        offload_policy=OffloadPolicy(),
+        device=torch.device("cpu"),
+    )
+    return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+BLOCKS = ["", "blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        ({Block}, BLOCKS),
+        ([Block], BLOCKS),
+        (["Block"], BLOCKS),
+        (["toy.Block"], BLOCKS),
+        ("auto", BLOCKS),
+        (lambda m: isinstance(m, nn.Linear) and m.out_features == 1, ["", "head"]),
+        (None, [""]),
+        # size-based: a block holds 1,104 parameters (fc1 544, fc2 528, norm 32; embed 144, head 17);
+        # a unit claims only what the smaller units below it left
+        (1000, BLOCKS),
+        (200, ["", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1",
+               "blocks.2.fc2"]),
+    ],
+    ids=["class-set", "class-list", "name", "import-path", "auto", "callable", "none", "min-params", "small-units"],
+)
+def test_wrap_policy_forms_select_units(mesh, policy, expected) -> None:
+    assert unit_names(ToyModel(), mesh, auto_wrap_policy=policy) == expected
+
+
+def test_activation_checkpointing_wraps_before_sharding(mesh) -> None:
+    model = ToyModel()
+    names = unit_names(model, mesh, auto_wrap_policy=["Block"], activation_checkpointing=["Block"])
+    wrappers = [name for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)]
+    assert wrappers == ["blocks.0", "blocks.1", "blocks.2"]
+    assert names == BLOCKS  # the checkpoint wrappers became the units
+    # state dicts keep the plain names
+    assert set(model.state_dict()) == set(ToyModel().state_dict())
+
+
+def test_unknown_class_name_lists_candidates() -> None:
+    with pytest.raises(ValueError, match=r"'Blok'.*Candidate block classes: \['Block'\]"):
+        select_modules(ToyModel(), ["Blok"])
+
+
+def test_candidate_block_classes_keeps_outermost_repeats() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)])
+
+    assert candidate_block_classes(ToyModel()) == ["Block"]
+    assert candidate_block_classes(Outer()) == ["Sequential"]
+
+
+def test_meta_model_without_reset_parameters_fails_loudly() -> None:
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(3, device="meta"))
+
+    with pytest.raises(TypeError, match=r"\['Custom'\].*reset_parameters"):
+        materialize_sharded_module(nn.Sequential(Custom()), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sharding_strategy": "FULL"}, ValueError, "sharding_strategy='FULL'"),
+        ({"state_dict_type": "zip"}, ValueError, "state_dict_type='zip'"),
+        ({"auto_wrap_policy": -5}, ValueError, "auto_wrap_policy=-5"),
+        ({"auto_wrap_policy": True}, TypeError, "not a bool"),
+        ({"auto_wrap_policy": []}, ValueError, "is empty"),
+        ({"auto_wrap_policy": [3.5]}, TypeError, "3.5"),
+        ({"auto_wrap_policy": [int]}, TypeError, "not an nn.Module subclass"),
+        ({"activation_checkpointing": 0}, ValueError, "activation_checkpointing=0"),
+        ({"cpu_offload": "yes"}, TypeError, "cpu_offload='yes'"),
+        ({"cpu_offload": True, "sharding_strategy": "NO_SHARD"}, ValueError, "FULL_SHARD"),
+        ({"reshard_after_forward": 1}, ValueError, "reshard_after_forward=1"),
+        ({"reshard_after_forward": "no"}, TypeError, "reshard_after_forward='no'"),
+        ({"reshard_after_forward": True, "sharding_strategy": "NO_SHARD"}, ValueError, "NO_SHARD"),
+        ({"hybrid_shard_size": 2}, ValueError, "HYBRID_SHARD"),
+        ({"hybrid_shard_size": 0, "sharding_strategy": "HYBRID_SHARD"}, ValueError, "hybrid_shard_size=0"),
+        ({"start_method": "thread"}, ValueError, "start_method='thread'"),
+        ({"timeout": 30}, TypeError, "timedelta"),
+        ({"reduce_dtype": torch.int8}, TypeError, "reduce_dtype"),
+    ],
+)
+def test_bad_settings_raise_at_construction(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        ShardedStrategy(**kwargs)
+
+
+def test_hybrid_size_must_divide_world() -> None:
+    config = ShardingConfig(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3)
+    with pytest.raises(ValueError, match="hybrid_shard_size=3.*divide the world size 4"):
+        config.mesh_shape(world_size=4, devices_per_node=4)
+    assert ShardingConfig(sharding_strategy="NO_SHARD").mesh_shape(4, 4) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "sharding", "offload"),
+    [
+        ("fully_sharded", "FULL_SHARD", False),
+        ("fully_sharded_grad_op", "SHARD_GRAD_OP", False),
+        ("fully_sharded_offload", "FULL_SHARD", True),
+        ("hybrid_sharded", "HYBRID_SHARD", False),
+    ],
+)
+def test_registry_names(name: str, sharding: str, offload: bool) -> None:
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ShardedStrategy)
+    assert trainer.strategy.config.sharding_strategy == sharding
+    assert trainer.strategy.config.cpu_offload is offload
+    assert trainer._accelerator_connector.is_distributed
+
+
+def test_generic_precision_plugin_is_converted() -> None:
+    trainer = L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, lightning_shard.ShardedPrecision)
+    assert plugin.mp_policy.param_dtype is torch.bfloat16 and plugin.mp_policy.reduce_dtype is torch.float32
+    low = ShardedStrategy(reduce_dtype=torch.bfloat16)
+    low.precision_plugin = lightning_shard.ShardedPrecision("bf16-mixed", reduce_dtype=torch.bfloat16)
+    assert low.precision_plugin.mp_policy.reduce_dtype is torch.bfloat16
+
+
+def test_unknown_strategy_name_is_named() -> None:
+    with pytest.raises(ValueError, match="fully_shardd"):
+        L.Trainer(strategy="fully_shardd", accelerator="cpu", devices=2)
+
+
+def test_precision_errors() -> None:
+    with pytest.raises(ValueError, match="precision='64-true'"):
+        lightning_shard.ShardedPrecision("64-true")
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        lightning_shard.ShardedPrecision("32-true", reduce_dtype=torch.float16)
+
+
+def test_timeout_is_accepted_as_timedelta() -> None:
+    assert ShardedStrategy(timeout=datetime.timedelta(minutes=5))._timeout == datetime.timedelta(minutes=5)
