@@ -49,8 +49,9 @@ class ShardedMemoryMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        # With gradient accumulation several batches end on the same global step; log it once.
-        if step % self.log_every_n_steps or step == self._last_logged_step:
+        # With gradient accumulation several batches end on the same global step (the first ones on step 0, before
+        # any optimizer step); log each step once.
+        if step == 0 or step % self.log_every_n_steps or step == self._last_logged_step:
             return
         self._record(trainer, pl_module)
 
