@@ -173,16 +173,16 @@ class GPT(LightningModule):
         if self.transformer is not None:
             return
         hp = self.hparams
-        blocks = [Block(hp.n_embd, hp.n_head, hp.n_layer, hp.dropout, hp.bias) for _ in range(hp.n_layer)]
-        self.transformer = nn.ModuleDict(
-            {
-                "wte": Embedding(hp.vocab_size, hp.n_embd),
-                "wpe": Embedding(hp.block_size, hp.n_embd),
-                "drop": nn.Dropout(hp.dropout),
-                "h": nn.ModuleList(blocks),
-                "ln_f": nn.LayerNorm(hp.n_embd, bias=hp.bias),
-            }
+        # Modules are constructed in the order they are registered (= `modules()` order), so an eager build and a
+        # meta-device build materialised module by module draw their random init in the same sequence.
+        self.transformer = nn.ModuleDict()
+        self.transformer["wte"] = Embedding(hp.vocab_size, hp.n_embd)
+        self.transformer["wpe"] = Embedding(hp.block_size, hp.n_embd)
+        self.transformer["drop"] = nn.Dropout(hp.dropout)
+        self.transformer["h"] = nn.ModuleList(
+            Block(hp.n_embd, hp.n_head, hp.n_layer, hp.dropout, hp.bias) for _ in range(hp.n_layer)
         )
+        self.transformer["ln_f"] = nn.LayerNorm(hp.n_embd, bias=hp.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)``."""
