@@ -229,40 +229,63 @@ def _strategy_available() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _strategy_available(), reason="lightning_shard.strategy is not importable yet")
-def test_tiny_config_trains_on_two_ranks_and_samples_from_its_sharded_checkpoint(tmp_path: Path) -> None:
+# Shortens the tiny config for a test: 30 steps, loss logged every step, a sharded checkpoint every 10 steps.
+_SHORT_RUN = """
+trainer:
+  max_steps: 30
+  log_every_n_steps: 1
+  val_check_interval: 30
+  limit_val_batches: 2
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: out/gpt_tiny/checkpoints
+        every_n_train_steps: 10
+        save_top_k: -1
+"""
+
+
+def _run_example(script: str, *args: str, cwd: Path) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    # Relative output paths in the config (out/gpt_tiny/...) land in tmp_path.
-    overrides = ["--trainer.max_steps", "60", "--trainer.val_check_interval", "60", "--trainer.limit_val_batches", "2"]
-    overrides += ["--trainer.log_every_n_steps", "1"]
     run = subprocess.run(
-        [sys.executable, str(REPO / "examples/gpt/train.py"), "fit", "--config", str(CONFIGS / "gpt_tiny.yaml")]
-        + overrides,
-        cwd=tmp_path,
+        [sys.executable, str(REPO / "examples/gpt" / script), *args],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "--- sample ---" in run.stdout
+    return run.stdout
 
-    with open(tmp_path / "out/gpt_tiny/logs/version_0/metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    train_losses = [float(r["train_loss"]) for r in rows if r["train_loss"]]
-    val_losses = [float(r["val_loss"]) for r in rows if r["val_loss"]]
-    assert len(train_losses) == 60
-    assert train_losses[0] > 5.0  # ~ln(256) = 5.55 at init
-    assert np.mean(train_losses[-10:]) < 3.5
-    assert 0.0 < val_losses[-1] < 3.5
 
-    checkpoint = tmp_path / "out/gpt_tiny/checkpoints/last.ckpt"
-    sample = subprocess.run(
-        [sys.executable, str(REPO / "examples/gpt/generate.py"), str(checkpoint), "--max-new-tokens", "20"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sample.returncode == 0, sample.stderr[-3000:]
-    assert sample.stdout.startswith("def ")
+def _logged(metrics_csv: Path, column: str) -> dict[int, float]:
+    with open(metrics_csv) as f:
+        return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row[column]}
+
+
+@pytest.mark.skipif(not _strategy_available(), reason="lightning_shard.strategy is not importable yet")
+def test_tiny_config_trains_resumes_exactly_and_samples_on_two_sharded_ranks(tmp_path: Path) -> None:
+    (tmp_path / "short.yaml").write_text(_SHORT_RUN)
+    # Relative output paths in the configs (out/gpt_tiny/...) land in tmp_path.
+    fit = ["fit", "--config", str(CONFIGS / "gpt_tiny.yaml"), "--config", "short.yaml"]
+    stdout = _run_example("train.py", *fit, cwd=tmp_path)
+    assert "--- sample ---" in stdout
+
+    logs = tmp_path / "out/gpt_tiny/logs"
+    train_loss = _logged(logs / "version_0/metrics.csv", "train_loss")
+    assert sorted(train_loss) == list(range(30))
+    assert train_loss[0] > 5.0  # about ln(256) = 5.55 at init
+    assert np.mean([train_loss[step] for step in range(25, 30)]) < 3.5
+    assert 0.0 < _logged(logs / "version_0/metrics.csv", "val_loss")[29] < 3.5
+
+    # Resuming from the step-20 checkpoint repeats steps 20..29 exactly: same batches, weights, optimizer, schedule.
+    checkpoints = tmp_path / "out/gpt_tiny/checkpoints"
+    _run_example("train.py", *fit, "--ckpt_path", str(checkpoints / "epoch=0-step=20.ckpt"), cwd=tmp_path)
+    resumed_loss = _logged(logs / "version_1/metrics.csv", "train_loss")
+    assert resumed_loss == {step: train_loss[step] for step in range(20, 30)}
+
+    last = str(checkpoints / "epoch=0-step=30.ckpt")  # a torch.distributed.checkpoint directory
+    sample = _run_example("generate.py", last, "--max-new-tokens", "20", cwd=tmp_path)
+    assert sample.startswith("def ")

@@ -10,7 +10,6 @@ Sizes of the fairseq GPT-3 family (context 2048, vocabulary 50272) are in :data:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -20,7 +19,9 @@ import torchmetrics
 from lightning.pytorch import LightningModule
 from torch import nn
 
-# name: (n_layer, n_embd, n_head), as in fairseq's GPT-3 model sizes.
+# name: (n_layer, n_embd, n_head), as in fairseq's GPT-3 model sizes. With this model (tied output projection,
+# 2048 learned positions, biases) "13b" has 12,853,463,040 parameters. fairseq logs 13,110,865,920 for it: that
+# figure counts the output projection as its own 50272 x 5120 matrix and has 2 more positions (its padding offset).
 GPT3_SIZES = {
     "small": (12, 768, 12),
     "medium": (24, 1024, 16),
@@ -231,9 +232,12 @@ class GPT(LightningModule):
             betas=tuple(hp.betas),
         )
         max_steps = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
-        schedule = functools.partial(
-            warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=max_steps, min_lr_ratio=hp.min_lr_ratio
-        )
+
+        # A plain function (not a functools.partial): LambdaLR then checkpoints `lr_lambdas` as [None] instead of
+        # [{}], and torch.distributed.checkpoint drops empty containers, which would break resuming.
+        def schedule(step: int) -> float:
+            return warmup_cosine(step, hp.warmup_steps, max_steps, hp.min_lr_ratio)
+
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
