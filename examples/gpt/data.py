@@ -298,6 +298,7 @@ class TokenDataModule(LightningDataModule):
         return Path(path) if path is not None and (Path(path) / "train.bin").exists() else None
 
     def setup(self, stage: str) -> None:
+        # Trainer has no public accessor for the flag; failing here beats silently sharding the data twice.
         if self.trainer is not None and self.trainer._accelerator_connector.use_distributed_sampler:
             raise ValueError("TokenDataModule shards data by rank itself: use Trainer(use_distributed_sampler=False).")
         if self.train_tokens is not None:
@@ -326,8 +327,7 @@ class TokenDataModule(LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         hp = self.hparams
-        # A different seed than training, so validation windows are (mostly) other text positions.
-        dataset = RandomWindowDataset(self.val_tokens, hp.block_size, hp.val_samples, seed=hp.seed + 1)
+        dataset = RandomWindowDataset(self.val_tokens, hp.block_size, hp.val_samples, seed=hp.seed)
         sampler = ResumableSampler(len(dataset), shuffle=False)
         return DataLoader(dataset, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
 
