@@ -15,8 +15,10 @@ Either format loads into any world size: DCP reshards, and a full file is read b
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ from typing_extensions import override
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
+# Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
+WORLD_SIZE_KEY = "sharded_world_size"
 _DCP_METADATA = ".metadata"
 
 
@@ -93,15 +97,18 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
         staging = _staging_path(path)
-        dcp.save(checkpoint, checkpoint_id=staging)
+        payload = {
+            key: value if key in (MODEL_KEY, OPTIMIZER_KEY) else _opaque(value) for key, value in checkpoint.items()
+        }
+        dcp.save({**payload, WORLD_SIZE_KEY: _world_size()}, checkpoint_id=staging)
         _barrier()
         if _rank() == 0:
             _replace(staging, path)
         _barrier()
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
+        staging = _staging_path(path)
         if _rank() == 0:
-            staging = _staging_path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, staging)
             _replace(staging, path)
@@ -123,7 +130,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """Read a whole checkpoint of either format into this process (no model needed)."""
         path = _existing(path)
         if is_sharded_checkpoint(path):
-            return _load_state_dict_from_keys(checkpoint_id=str(path))
+            return read_sharded_keys(path)
         return torch.load(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
 
     def load_into(
@@ -154,8 +161,7 @@ class ShardedCheckpointIO(CheckpointIO):
         set_model_state_dict(model, target[MODEL_KEY], options=StateDictOptions(strict=strict))
         for optimizer, state in zip(optimizers, target.get(OPTIMIZER_KEY, []), strict=True):
             set_optimizer_state_dict(model, optimizer, state)
-        rest = _load_state_dict_from_keys(keys=saved_keys - {MODEL_KEY, OPTIMIZER_KEY}, checkpoint_id=str(path))
-        return rest
+        return read_sharded_keys(path, saved_keys - {MODEL_KEY, OPTIMIZER_KEY})
 
     def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
         # Rank 0 reads the file; the others receive the weights by broadcast and never touch it.
@@ -171,6 +177,39 @@ class ShardedCheckpointIO(CheckpointIO):
                 state = optimizer_states[index] if optimizer_states is not None else {}
                 set_optimizer_state_dict(model, optimizer, state, options=options)
         return _broadcast_object(checkpoint)
+
+
+class _Pickled:
+    """A value DCP stores as one pickled object instead of flattening it into leaves.
+
+    DCP's flattening drops empty containers (a ``LambdaLR``'s ``lr_lambdas: [{}]``, a callback's ``{}``), which
+    Lightning then misses on restore. It unpickles through ``pickle.loads`` to the original object, so neither
+    ``dcp_to_torch_save`` nor a reader needs lightning_shard.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return pickle.loads, (pickle.dumps(self.value),)
+
+
+def _opaque(value: Any) -> Any:
+    """Everything but the model and optimizer states (which DCP shards) is kept whole."""
+    return value if isinstance(value, (torch.Tensor, str, int, float, bool, type(None))) else _Pickled(value)
+
+
+def read_sharded_keys(path: _PATH, keys: set[str] | None = None) -> dict[str, Any]:
+    """Read ``keys`` (default: all) of a sharded checkpoint whole into this process.
+
+    Example:
+        >>> read_sharded_keys("out/last.ckpt", {"global_step"})  # doctest: +SKIP
+        {'global_step': 200}
+    """
+    with warnings.catch_warnings():
+        # Reading into one process without a process group is the point here, not an accident.
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+        return _load_state_dict_from_keys(keys=keys, checkpoint_id=str(path))
 
 
 def _holds_shards(checkpoint: dict[str, Any]) -> bool:
@@ -204,6 +243,10 @@ def _replace(staging: Path, path: Path) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _barrier() -> None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -54,7 +55,14 @@ def materialize_sharded_module(root: nn.Module, device: torch.device) -> None:
             f"`reset_parameters()` to initialise them: {missing}. Add a `reset_parameters()` method to them, or create "
             "the model in `__init__` instead of `configure_model()`."
         )
-    root.to_empty(device=device)
+    # Allocate per owning module, not `root.to_empty()`: modules without parameters (torchmetrics metrics) would
+    # have their states replaced by uninitialised memory.
+    for module in owners:
+        module.to_empty(device=device, recurse=False)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            # FSDP re-registers the new sharded parameters after any `_apply`; run it without changing a tensor.
+            module._apply(lambda tensor: tensor, recurse=False)
     _use_rank_zero_rng()
     initialized: set[int] = set()
     for module in owners:

@@ -1,0 +1,119 @@
+"""Checkpoint scenarios for the toy model, run as real processes (Lightning's launcher starts the other ranks).
+
+    python tests/checkpoint_run.py train  --devices 2 --out DIR --steps 4 [--format sharded|full] [--reference]
+    python tests/checkpoint_run.py resume --devices N --out DIR --ckpt PATH --steps 8 [--reference]
+    python tests/checkpoint_run.py topk   --devices 2 --out DIR
+
+Each writes ``result.pt`` on rank 0: per-step global losses and the full weights and optimizer state (gathered
+with torch.distributed.checkpoint's state-dict API) at the start and the end of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.utils._pytree import tree_map
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toy import GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+
+import lightning_shard  # noqa: E402
+
+GLOBAL_BATCH = 8
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class StateRecorder(L.Callback):
+    """Full weights and optimizer state when training starts (just after a resume loaded them) and ends."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, Any] = {}
+
+    def _record(self, when: str, trainer: L.Trainer, model: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        state = {
+            "weights": get_model_state_dict(model, options=FULL),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer.state else {},
+        }
+        # On one rank the gathered tensors can be the live ones (AdamW's `step` counters, the weights): copy.
+        self.states[when] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record("start", trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record("end", trainer, pl_module)
+
+
+def make_trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
+    strategy = "auto" if args.reference else lightning_shard.ShardedStrategy(state_dict_type=args.format)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "resume", "topk"])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--format", choices=["sharded", "full"], default="sharded")
+    parser.add_argument("--ckpt", type=Path)
+    parser.add_argument("--reference", action="store_true", help="Lightning's single-device strategy")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    L.seed_everything(0, verbose=False)
+    model = ToyModel()
+    losses, states = GlobalLossRecorder(), StateRecorder()
+    if args.mode == "topk":
+        saver = ModelCheckpoint(
+            dirpath=args.out / "ckpts", monitor="step", mode="max", save_top_k=2, every_n_train_steps=1, save_last=True
+        )
+        trainer = make_trainer(args, [losses, states, saver], enable_checkpointing=True)
+    else:
+        trainer = make_trainer(args, [losses, states], enable_checkpointing=False)
+    if args.ckpt is not None and args.ckpt.is_file() and not args.reference:
+        _forbid_reading_checkpoints_off_rank_zero()
+    trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH), ckpt_path=args.ckpt)
+    if args.mode == "train":
+        trainer.save_checkpoint(args.out / "model.ckpt")
+        trainer.save_checkpoint(args.out / "weights.ckpt", weights_only=True)
+    if trainer.is_global_zero:
+        torch.save({"losses": losses.losses, **states.states}, args.out / "result.pt")
+
+
+def _forbid_reading_checkpoints_off_rank_zero() -> None:
+    """A full checkpoint is read by rank 0 and broadcast; make any other rank's read fail the run."""
+    load = torch.load
+
+    def guarded_load(source: Any, *args: Any, **kwargs: Any) -> Any:
+        # In-memory loads (broadcast_object_list unpickles through torch.load) are fine; files are not.
+        if isinstance(source, (str, os.PathLike)) and dist.is_initialized() and dist.get_rank() != 0:
+            raise AssertionError(f"rank {dist.get_rank()} read a checkpoint file")
+        return load(source, *args, **kwargs)
+
+    torch.load = guarded_load
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Sharded and full checkpoints with real 2-process runs: round trips, resharding, exact resume, atomic writes.
+
+The reference for resume is Lightning's own single-device resume of the same run (4 steps, save, resume to 8).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import run_script
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from toy import ToyModel
+
+from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_shard.cli import main as cli_main
+
+TOL = 1e-5
+SCRIPT = "tests/checkpoint_run.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("checkpoints")
+
+    def run(*args: str) -> None:
+        run_script(SCRIPT, *args, timeout=180)
+
+    run("train", "--devices", "1", "--reference", "--out", str(out / "ref_train"))
+    run(
+        "resume",
+        "--devices",
+        "1",
+        "--reference",
+        "--steps",
+        "8",
+        "--ckpt",
+        str(out / "ref_train/model.ckpt"),
+        "--out",
+        str(out / "ref_resume"),
+    )
+    run("train", "--devices", "2", "--out", str(out / "sharded"))
+    run("train", "--devices", "2", "--format", "full", "--out", str(out / "full"))
+    for devices in ("1", "3", "4"):
+        run(
+            "resume",
+            "--devices",
+            devices,
+            "--steps",
+            "8",
+            "--ckpt",
+            str(out / "sharded/model.ckpt"),
+            "--out",
+            str(out / f"resume_sharded_{devices}"),
+        )
+    # a full file into a sharded model: rank 0 reads, the other rank is forbidden to open the file
+    run(
+        "resume",
+        "--devices",
+        "2",
+        "--steps",
+        "8",
+        "--ckpt",
+        str(out / "full/model.ckpt"),
+        "--out",
+        str(out / "resume_full_2"),
+    )
+    return out
+
+
+def result(runs: Path, name: str) -> dict[str, Any]:
+    return torch.load(runs / name / "result.pt", weights_only=False)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def max_optimizer_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a["state"].keys() == b["state"].keys()
+    return max(max_diff(a["state"][name], b["state"][name]) for name in a["state"])
+
+
+def test_sharded_checkpoint_is_a_dcp_directory_that_torch_converts(runs: Path, tmp_path: Path) -> None:
+    ckpt = runs / "sharded/model.ckpt"
+    assert is_sharded_checkpoint(ckpt)
+    out = tmp_path / "converted.ckpt"
+    dcp_to_torch_save(ckpt, out)
+    converted = torch.load(out, weights_only=False)
+    saved = result(runs, "sharded")["end"]
+    # plain module names, no FSDP or checkpoint-wrapper prefixes; equal tensors
+    assert set(converted["state_dict"]) == set(ToyModel().state_dict())
+    assert max_diff(converted["state_dict"], saved["weights"]) == 0.0
+    assert max_optimizer_diff(converted["optimizer_states"][0], saved["optimizer"]) == 0.0
+    assert converted["global_step"] == 4 and "loops" in converted and "callbacks" in converted
+    assert converted["lr_schedulers"] == [] and converted["hyper_parameters"]["lr"] == 0.01
+    model = ToyModel.load_from_checkpoint(out)
+    assert max_diff(model.state_dict(), saved["weights"]) == 0.0
+
+
+def test_full_checkpoint_loads_without_lightning_shard(runs: Path) -> None:
+    code = (
+        "import sys, torch; sys.modules['lightning_shard'] = None\n"
+        "sys.path.insert(0, 'tests'); from toy import ToyModel\n"
+        f"ckpt = torch.load({str(runs / 'full/model.ckpt')!r}, weights_only=False)\n"
+        f"model = ToyModel.load_from_checkpoint({str(runs / 'full/model.ckpt')!r})\n"
+        f"torch.save(model.state_dict(), {str(runs / 'full/plain_load.pt')!r})\n"
+        "print(sorted(ckpt))"
+    )
+    output = run_script("-c", code)
+    assert "optimizer_states" in output and "state_dict" in output
+    loaded = torch.load(runs / "full/plain_load.pt")
+    assert max_diff(loaded, result(runs, "full")["end"]["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["resume_sharded_1", "resume_sharded_3", "resume_sharded_4", "resume_full_2"])
+def test_load_at_any_world_size_restores_weights_and_optimizer(runs: Path, name: str) -> None:
+    saved = result(runs, "full" if "full" in name else "sharded")["end"]
+    loaded = result(runs, name)["start"]
+    assert max_diff(loaded["weights"], saved["weights"]) == 0.0
+    assert max_optimizer_diff(loaded["optimizer"], saved["optimizer"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["resume_sharded_1", "resume_sharded_4", "resume_full_2"])
+def test_resume_matches_lightning_resume(runs: Path, name: str) -> None:
+    ours, reference = result(runs, name), result(runs, "ref_resume")
+    assert len(ours["losses"]) == len(reference["losses"]) == 4
+    assert ours["losses"] == pytest.approx(reference["losses"], abs=TOL)
+    assert max_diff(ours["end"]["weights"], reference["end"]["weights"]) < TOL
+
+
+def test_weights_only_checkpoints(runs: Path, tmp_path: Path) -> None:
+    for fmt in ("sharded", "full"):
+        path = runs / fmt / "weights.ckpt"
+        checkpoint = ShardedCheckpointIO().load_checkpoint(path)
+        assert "optimizer_states" not in checkpoint
+        assert max_diff(checkpoint["state_dict"], result(runs, fmt)["end"]["weights"]) == 0.0
+
+
+def test_cli_inspect_and_convert_round_trip(runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["inspect", str(runs / "sharded/model.ckpt"), "--json"]) == 0
+    info = capsys.readouterr().out
+    assert '"format": "sharded"' in info and '"saved_world_size": 2' in info and '"global_step": 4' in info
+    assert '"n_params": 3473' in info and '"param_bytes": 13892' in info
+    full, sharded = tmp_path / "full.ckpt", tmp_path / "sharded.ckpt"
+    assert cli_main(["convert", str(runs / "sharded/model.ckpt"), str(full)]) == 0
+    assert cli_main(["convert", str(full), str(sharded)]) == 0
+    assert is_sharded_checkpoint(sharded)
+    back = ShardedCheckpointIO().load_checkpoint(sharded)
+    assert max_diff(back["state_dict"], result(runs, "sharded")["end"]["weights"]) == 0.0
+    assert cli_main(["inspect", str(full)]) == 0 and "format: full" in capsys.readouterr().out
+    assert cli_main(["inspect", str(tmp_path / "missing.ckpt")]) == 2
+    assert "Checkpoint not found" in capsys.readouterr().err
+    assert cli_main(["convert", str(full), str(sharded)]) == 2  # refuses to overwrite
+    assert "exists" in capsys.readouterr().err
+
+
+@pytest.fixture()
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Path, monkeypatch) -> None:
+    io = ShardedCheckpointIO()
+    path = tmp_path / "last.ckpt"
+
+    def checkpoint(value: float) -> dict[str, Any]:
+        weight = distribute_tensor(torch.full((4,), value), one_rank_group, [Shard(0)])
+        return {"state_dict": {"w": weight}, "global_step": int(value)}
+
+    io.save_checkpoint(checkpoint(1.0), path)
+
+    def crash(state_dict: dict, checkpoint_id: Path, **kwargs: Any) -> None:
+        Path(checkpoint_id).mkdir(parents=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint(checkpoint(2.0), path)
+    monkeypatch.undo()
+    survivor = io.load_checkpoint(path)
+    assert survivor["global_step"] == 1 and torch.equal(survivor["state_dict"]["w"], torch.full((4,), 1.0))
+    # the half-written save is a hidden sibling without metadata: never mistaken for a checkpoint
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert leftovers and all(p.name.startswith(".last.ckpt.tmp-") and not is_sharded_checkpoint(p) for p in leftovers)
+
+    # a full-format save that fails while writing leaves the old file in place too
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}}, path)
+    monkeypatch.undo()
+    assert io.load_checkpoint(path)["global_step"] == 1
+
+
+def test_missing_checkpoint_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nothing.ckpt"):
+        ShardedCheckpointIO().load_checkpoint(tmp_path / "nothing.ckpt")
+
+
+def test_top_k_and_last_with_checkpoint_directories(tmp_path: Path) -> None:
+    run_script(SCRIPT, "topk", "--devices", "2", "--steps", "4", "--out", str(tmp_path))
+    names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"], names
+    assert all(is_sharded_checkpoint(tmp_path / "ckpts" / name) for name in names)
+    assert ShardedCheckpointIO().load_checkpoint(tmp_path / "ckpts/last.ckpt")["global_step"] == 4
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
