@@ -11,15 +11,27 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.checkpoint_io import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
+from lightning_shard.memory import (
+    MemoryBreakdown,
+    MemoryEstimate,
+    ShardedMemoryMonitor,
+    estimate_memory,
+    format_estimate_table,
+)
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "MemoryBreakdown",
+    "MemoryEstimate",
     "ShardedCheckpointIO",
+    "ShardedMemoryMonitor",
     "ShardedPrecision",
     "ShardedStrategy",
     "ShardingConfig",
+    "estimate_memory",
+    "format_estimate_table",
     "is_sharded_checkpoint",
 ]

@@ -415,10 +415,14 @@ class ShardedStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        # Unlike the base Strategy, leave the sharded model where it is: moving it to the CPU would gather nothing
+        # useful, and after an exception mid-step FSDP's state cannot be moved at all.
         self.checkpoint_io.teardown()
         assert self.cluster_environment is not None
+        assert self.accelerator is not None
         self.cluster_environment.teardown()
-        super().teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
 
     @classmethod
     @override

@@ -221,12 +221,6 @@ def test_resumed_training_sees_the_batches_of_the_uninterrupted_run(tmp_path: Pa
         assert resumed == uninterrupted[step:]
 
 
-def _strategy_available() -> bool:
-    try:
-        import lightning_shard.strategy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # Shortens the tiny config for a test: 30 steps, loss logged every step, a sharded checkpoint every 10 steps.
@@ -265,7 +259,6 @@ def _logged(metrics_csv: Path, column: str) -> dict[int, float]:
         return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row[column]}
 
 
-@pytest.mark.skipif(not _strategy_available(), reason="lightning_shard.strategy is not importable yet")
 def test_tiny_config_trains_resumes_exactly_and_samples_on_two_sharded_ranks(tmp_path: Path) -> None:
     (tmp_path / "short.yaml").write_text(_SHORT_RUN)
     # Relative output paths in the configs (out/gpt_tiny/...) land in tmp_path.
