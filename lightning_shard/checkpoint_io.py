@@ -128,10 +128,13 @@ class ShardedCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """Read a whole checkpoint of either format into this process (no model needed)."""
+        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
+
         path = _existing(path)
-        if is_sharded_checkpoint(path):
+        if path.is_dir():  # a directory without `.metadata` is named as such by the check
+            integrity.check_sharded(path)
             return read_sharded_keys(path)
-        return torch.load(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+        return integrity.load_full_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
 
     def load_into(
         self,
@@ -143,16 +146,34 @@ class ShardedCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
         from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
+        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
+
         path = _existing(path)
         load_optimizers = bool(optimizers) and not weights_only
-        if is_sharded_checkpoint(path):
+        if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
             return self._load_sharded(path, model, optimizers if load_optimizers else [], strict)
         return self._load_full(path, model, optimizers if load_optimizers else [], strict)
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
+
+        model_state = self.model_state(model, full=False)
+        # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
+        # the same error everywhere instead of failing inside dcp.load on some ranks only.
+        error: Exception | None = None
+        try:
+            metadata = integrity.check_sharded(path)
+            problems = integrity.mismatch_problems(
+                integrity.sharded_model_shapes(metadata), integrity.expected_model_shapes(model, model_state), strict
+            )
+            message = integrity.model_mismatch_message(path, problems)
+            if message is not None:
+                raise integrity.CheckpointIntegrityError(message)
+        except Exception as caught:
+            error = caught
+        integrity.agree(error)
         saved_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-        target: dict[str, Any] = {MODEL_KEY: self.model_state(model, full=False)}
+        target: dict[str, Any] = {MODEL_KEY: model_state}
         if optimizers:
             if OPTIMIZER_KEY not in saved_keys:
                 raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
@@ -164,8 +185,28 @@ class ShardedCheckpointIO(CheckpointIO):
         return read_sharded_keys(path, saved_keys - {MODEL_KEY, OPTIMIZER_KEY})
 
     def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
+        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
+
         # Rank 0 reads the file; the others receive the weights by broadcast and never touch it.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False) if _rank() == 0 else {}
+        model_state = self.model_state(model, full=False)
+        checkpoint: Any = {}
+        error: Exception | None = None
+        if _rank() == 0:
+            try:
+                checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False)
+                saved = integrity.full_model_shapes(checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None)
+                if saved is None:
+                    raise integrity.CheckpointIntegrityError(
+                        f"The checkpoint {path} holds no `{MODEL_KEY}` mapping of weights (not a Lightning checkpoint?)."
+                    )
+                expected = integrity.expected_model_shapes(model, model_state)
+                message = integrity.model_mismatch_message(path, integrity.mismatch_problems(saved, expected, strict))
+                if message is not None:
+                    raise integrity.CheckpointIntegrityError(message)
+            except Exception as caught:
+                error = caught
+        # Rank 0 alone reads the file; the others learn its verdict before waiting in the broadcast below.
+        integrity.agree(error)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=strict)
         set_model_state_dict(model, checkpoint.pop(MODEL_KEY, {}), options=options)
         optimizer_states = checkpoint.pop(OPTIMIZER_KEY, None)

@@ -1,0 +1,188 @@
+"""Checks a checkpoint before loading it, so damage or a model mismatch is an error naming the file or key.
+
+Run before ``dcp.load`` / the full-file broadcast, on every rank, and agreed over the process group: every rank
+raises the same :class:`CheckpointIntegrityError` (no rank is left waiting in a collective the others never
+reach).
+
+* sharded: ``.metadata`` readable; every storage file it references present and long enough for its byte ranges.
+* full: the file unpickles (``torch.load`` errors re-raised naming the file).
+* both: the saved ``state_dict`` tensor names and shapes against the model's (missing / unexpected keys only
+  under strict loading; mis-shaped keys always).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+_METADATA = ".metadata"
+_MODEL_PREFIX = "state_dict."
+_MAX_LISTED = 8
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """A checkpoint is damaged or does not fit the model; the message names the file or key."""
+
+
+# ------------------------------------------------------------------ sharded (DCP directory)
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """``FileSystemReader(path).read_metadata()``, with any failure naming the ``.metadata`` file.
+
+    Example:
+        >>> read_metadata("missing.ckpt")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning_shard.integrity.CheckpointIntegrityError: Damaged checkpoint metadata missing.ckpt/.metadata: ...
+    """
+    file = Path(path) / _METADATA
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # unpickling raises anything from EOFError to UnpicklingError to ValueError
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint metadata {file}: {type(error).__name__}: {error}. "
+            "The checkpoint cannot be read; load an earlier one."
+        ) from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint metadata {file}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+            "Metadata. The checkpoint cannot be read; load an earlier one."
+        )
+    return metadata
+
+
+def storage_problems(path: str | os.PathLike, metadata: Metadata) -> list[str]:
+    """Storage files referenced by ``metadata`` that are missing or shorter than the byte ranges they must serve."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[relative] = max(needed.get(relative, 0), end)
+    problems = []
+    for relative, end in sorted(needed.items()):
+        file = Path(path) / relative
+        if not file.is_file():
+            problems.append(f"missing shard file {file} (the metadata references {end} bytes in it)")
+            continue
+        size = file.stat().st_size
+        if size < end:
+            problems.append(f"truncated shard file {file}: {size} bytes, the metadata needs at least {end}")
+    return problems
+
+
+def sharded_model_shapes(metadata: Metadata) -> dict[str, torch.Size | None]:
+    """The model entries of a sharded checkpoint: name (without ``state_dict.``) -> global shape (None: not a tensor)."""
+    return {
+        key[len(_MODEL_PREFIX) :]: (torch.Size(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(_MODEL_PREFIX)
+    }
+
+
+def check_sharded(path: str | os.PathLike) -> Metadata:
+    """Metadata readable and every storage file whole; return the metadata. Raises on this process only."""
+    metadata = read_metadata(path)
+    problems = storage_problems(path, metadata)
+    if problems:
+        raise CheckpointIntegrityError(f"Damaged checkpoint {path}: " + "; ".join(problems))
+    return metadata
+
+
+# ------------------------------------------------------------------ full (one torch.save file)
+
+
+def load_full_file(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """``torch.load(path, **kwargs)`` with any unpickling failure naming the file."""
+    try:
+        return torch.load(path, **kwargs)
+    except Exception as error:
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint file {path}: torch.load failed with {type(error).__name__}: {error}"
+        ) from error
+
+
+def full_model_shapes(state_dict: Any) -> dict[str, torch.Size | None] | None:
+    """Name -> shape of a full checkpoint's ``state_dict``; None when it is not a mapping."""
+    if not isinstance(state_dict, Mapping):
+        return None
+    return {str(k): (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
+
+
+# ------------------------------------------------------------------ model comparison
+
+
+def expected_model_shapes(model: nn.Module, model_state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
+    """Name -> global shape of the (possibly sharded) model state dict: a DTensor's ``shape`` is the global one."""
+    return {name: (value.shape if isinstance(value, torch.Tensor) else None) for name, value in model_state.items()}
+
+
+def mismatch_problems(
+    saved: Mapping[str, torch.Size | None], expected: Mapping[str, torch.Size | None], strict: bool
+) -> list[str]:
+    """Missing and unexpected keys (``strict`` only) and mis-shaped keys, each named."""
+    problems = []
+    if strict:
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if missing:
+            problems.append(f"missing keys (in the model, not in the checkpoint): {_listed(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys (in the checkpoint, not in the model): {_listed(unexpected)}")
+    shaped = [
+        f"{name}: checkpoint {tuple(saved[name])} vs model {tuple(shape)}"
+        for name, shape in sorted(expected.items())
+        if name in saved and shape is not None and saved[name] is not None and tuple(saved[name]) != tuple(shape)
+    ]
+    if shaped:
+        problems.append(f"mis-shaped keys: {_listed(shaped)}")
+    return problems
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+def model_mismatch_message(path: str | os.PathLike, problems: Iterable[str]) -> str | None:
+    problems = list(problems)
+    if not problems:
+        return None
+    return (
+        f"The checkpoint {path} does not fit the model: " + "; ".join(problems) + ". Load it into the model it was "
+        "saved from, or set `strict_loading = False` on the LightningModule to skip missing and unexpected keys."
+    )
+
+
+# ------------------------------------------------------------------ agreement across ranks
+
+
+def agree(error: BaseException | None) -> None:
+    """Raise on every rank if any rank found a problem (call on every rank, after each one's own check).
+
+    One ``all_gather_object`` of each rank's message: every rank reaches the same decision, so none is left
+    waiting in a collective of the load that the others abandoned.
+    """
+    message = None if error is None else f"{error}"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        messages: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        found = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    else:
+        found = [(0, message)] if message is not None else []
+    if not found:
+        return
+    if error is not None and isinstance(error, CheckpointIntegrityError):
+        raise error
+    rank, text = found[0]
+    raise CheckpointIntegrityError(f"(found by rank {rank}) {text}") from error
