@@ -146,8 +146,6 @@ class ShardedCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
         from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
-        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
-
         path = _existing(path)
         load_optimizers = bool(optimizers) and not weights_only
         if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
@@ -164,7 +162,7 @@ class ShardedCheckpointIO(CheckpointIO):
         try:
             metadata = integrity.check_sharded(path)
             problems = integrity.mismatch_problems(
-                integrity.sharded_model_shapes(metadata), integrity.expected_model_shapes(model, model_state), strict
+                integrity.sharded_model_shapes(metadata), integrity.expected_model_shapes(model_state), strict
             )
             message = integrity.model_mismatch_message(path, problems)
             if message is not None:
@@ -197,9 +195,9 @@ class ShardedCheckpointIO(CheckpointIO):
                 saved = integrity.full_model_shapes(checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None)
                 if saved is None:
                     raise integrity.CheckpointIntegrityError(
-                        f"The checkpoint {path} holds no `{MODEL_KEY}` mapping of weights (not a Lightning checkpoint?)."
+                        f"The checkpoint {path} holds no `{MODEL_KEY}` mapping of weights (not Lightning's?)."
                     )
-                expected = integrity.expected_model_shapes(model, model_state)
+                expected = integrity.expected_model_shapes(model_state)
                 message = integrity.model_mismatch_message(path, integrity.mismatch_problems(saved, expected, strict))
                 if message is not None:
                     raise integrity.CheckpointIntegrityError(message)

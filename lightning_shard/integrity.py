@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 _METADATA = ".metadata"
@@ -82,7 +81,7 @@ def storage_problems(path: str | os.PathLike, metadata: Metadata) -> list[str]:
 
 
 def sharded_model_shapes(metadata: Metadata) -> dict[str, torch.Size | None]:
-    """The model entries of a sharded checkpoint: name (without ``state_dict.``) -> global shape (None: not a tensor)."""
+    """A sharded checkpoint's model entries: name (without ``state_dict.``) -> global shape (None: not a tensor)."""
     return {
         key[len(_MODEL_PREFIX) :]: (torch.Size(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
         for key, entry in metadata.state_dict_metadata.items()
@@ -122,7 +121,7 @@ def full_model_shapes(state_dict: Any) -> dict[str, torch.Size | None] | None:
 # ------------------------------------------------------------------ model comparison
 
 
-def expected_model_shapes(model: nn.Module, model_state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
+def expected_model_shapes(model_state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
     """Name -> global shape of the (possibly sharded) model state dict: a DTensor's ``shape`` is the global one."""
     return {name: (value.shape if isinstance(value, torch.Tensor) else None) for name, value in model_state.items()}
 

@@ -115,7 +115,7 @@ def run_fault(args: argparse.Namespace) -> None:
     loader = rank_slice_loader(GLOBAL_BATCH)
     if args.mode == "killsave":
         trainer = trainer_for(args.out, 4, FailingCheckpointIO("kill"))
-        trainer.fit(ToyModel(), train_dataloaders=rank_slice_loader(GLOBAL_BATCH))
+        trainer.fit(ToyModel(), train_dataloaders=loader)
     elif args.where == "save":
         trainer = trainer_for(args.out, 4, FailingCheckpointIO("raise", fail_rank=args.rank))
         trainer.fit(ToyModel(), train_dataloaders=loader)
