@@ -4,7 +4,8 @@
     torchrun --nnodes 2 --nproc_per_node 2 --node_rank {0,1} --master_addr 127.0.0.1 --master_port PORT \
         tests/hybrid_run.py --devices 2 --num-nodes 2 --sharding HYBRID_SHARD --steps 4 --save --out DIR
     # Lightning's own launcher on one node, e.g. world 4 with shard groups of 2, resuming a checkpoint
-    python tests/hybrid_run.py --devices 4 --sharding HYBRID_SHARD --hybrid-shard-size 2 --ckpt CKPT --steps 10 --out DIR
+    python tests/hybrid_run.py --devices 4 --sharding HYBRID_SHARD --hybrid-shard-size 2 --ckpt CKPT --steps 10 \
+        --out DIR
     # one process, Lightning's single-device strategy (the reference): 4 steps, save; resume to 8 in DIR/resume_8,
     # save; resume that to 10 in DIR/resume_10
     python tests/hybrid_run.py --reference --steps 4 --resume-steps 8 10 --out DIR
