@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 from lightning_shard.wrap import WrapPolicy, validate_policy
 
-ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"]
 StateDictType = Literal["sharded", "full"]
 
 
@@ -43,6 +43,11 @@ class ShardingConfig:
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
             raise TypeError(
                 f"`cpu_offload={self.cpu_offload!r}` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`."
+            )
+        if self.sharding_strategy == "auto" and (self.cpu_offload or self.reshard_after_forward is not None):
+            raise ValueError(
+                "`sharding_strategy='auto'` chooses the sharding and CPU offload from the memory estimate; drop "
+                "`cpu_offload` / `reshard_after_forward`, or name a sharding strategy such as 'FULL_SHARD'."
             )
         if self.cpu_offload and self.sharding_strategy == "NO_SHARD":
             raise ValueError(
@@ -86,6 +91,7 @@ class ShardingConfig:
         """The data-parallel mesh: ``(world,)`` to shard over all ranks, ``(replicas, shard_size)`` otherwise.
 
         NO_SHARD is FSDP2 on a ``(world, 1)`` mesh: each parameter is replicated and "sharded" over one rank.
+        "auto" gets the 1-D mesh until the model is known and the strategy is chosen.
         """
         if self.sharding_strategy == "NO_SHARD":
             return (world_size, 1)

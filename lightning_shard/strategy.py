@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,6 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.checkpoint_io import ShardedCheckpointIO
 from lightning_shard.config import ShardingConfig, StateDictType
 from lightning_shard.parallelize import parallelize_module
@@ -66,7 +68,8 @@ class ShardedStrategy(ParallelStrategy):
     Args:
         sharding_strategy: ``"FULL_SHARD"`` (parameters, gradients and optimizer states sharded),
             ``"SHARD_GRAD_OP"`` (parameters kept gathered between forward and backward), ``"NO_SHARD"``
-            (replicated, like DDP) or ``"HYBRID_SHARD"`` (sharded within a node, replicated across nodes).
+            (replicated, like DDP), ``"HYBRID_SHARD"`` (sharded within a node, replicated across nodes) or
+            ``"auto"`` (the least communication whose memory estimate fits the device; see ``auto_sharding``).
         auto_wrap_policy: which submodules become FSDP units: module classes, class names (``["Block"]``), a
             minimum parameter count, a callable ``module -> bool``, ``None`` (the root only) or ``"auto"``
             (the block class repeated in ``ModuleList``/``Sequential`` containers).
@@ -95,7 +98,7 @@ class ShardedStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD",
+        sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"] = "FULL_SHARD",
         auto_wrap_policy: WrapPolicy = "auto",
         activation_checkpointing: WrapPolicy = None,
         reshard_after_forward: bool | int | None = None,
@@ -292,6 +295,8 @@ class ShardedStrategy(ParallelStrategy):
 
     def _shard_model(self) -> None:
         assert self.model is not None
+        if self.config.sharding_strategy == "auto":
+            self._choose_sharding()
         self.model = self.precision_plugin.convert_module(self.model)
         units = parallelize_module(
             self.model,
@@ -306,6 +311,26 @@ class ShardedStrategy(ParallelStrategy):
             f"{type(self).__name__}: {self.config.sharding_strategy} over mesh {tuple(self.device_mesh.shape)}, "
             f"{len(units)} FSDP units + root: {sorted({type(u).__name__.removeprefix('FSDP') for u in units})}"
         )
+
+    def _choose_sharding(self) -> None:
+        assert self.model is not None
+        choice = choose_sharding(
+            self.model,
+            world_size=self.world_size,
+            precision=self.precision_plugin.precision,
+            activation_checkpointing=self.config.activation_checkpointing is not None,
+            device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),
+            can_offload=self.root_device.type == "cuda",
+        )
+        # Rank 0 decides for all: nodes may report different memory.
+        choice = self.broadcast(choice)
+        rank_zero_info(
+            f"{type(self).__name__}: sharding_strategy='auto' chose {choice.sharding_strategy}: {choice.reason}"
+        )
+        self.config = replace(self.config, sharding_strategy=choice.sharding_strategy, cpu_offload=choice.cpu_offload)
+        if tuple(self.device_mesh.shape) != self.config.mesh_shape(self.world_size, self.num_processes):
+            self._device_mesh = self._build_device_mesh()
+            self.lightning_module._device_mesh = self._device_mesh
 
     def _offload_policy(self) -> OffloadPolicy:
         if not self.config.cpu_offload:

@@ -36,6 +36,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "meta_init": ({}, {}, {"build": "configure"}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
     "sgd": ({"auto_wrap_policy": None}, {}, {"optimizer": "sgd"}),
+    "auto_sharding": ({"sharding_strategy": "auto"}, {}, {}),
     "evaluate": ({}, {}, {}),
     "bf16_mixed": ({}, {"precision": "bf16-mixed"}, {}),
     "fp16_mixed": ({}, {"plugins": "16-mixed"}, {}),
@@ -66,6 +67,7 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         "losses": recorder.losses,
         "forward_dtypes": model.blocks[0].seen_dtypes,
         "stored_dtype": str(next(model.parameters()).dtype),
+        "sharding_strategy": getattr(trainer.strategy, "config", None) and trainer.strategy.config.sharding_strategy,
     }
     if name == "evaluate":
         result.update(_evaluate(trainer, model, devices, reference))

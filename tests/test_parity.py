@@ -56,6 +56,11 @@ def test_two_ranks_match_one_process(results: dict[str, Path], scenario: str) ->
     assert two["losses"][-1] < two["losses"][0], "the toy model should learn"
 
 
+def test_auto_sharding_picks_no_shard_when_the_model_fits(results: dict[str, Path]) -> None:
+    # the toy model's 55 KB of model state fits any CPU: the least communication wins
+    assert load(results, "two", "auto_sharding")["sharding_strategy"] == "NO_SHARD"
+
+
 def test_validate_and_predict_after_fit_and_alone(results: dict[str, Path]) -> None:
     two, ref = load(results, "two", "evaluate"), load(results, "ref", "evaluate")
     assert two["val_after_fit"] == pytest.approx(ref["val_after_fit"], abs=TOL)

@@ -17,6 +17,7 @@ from toy import Block, ToyModel
 
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
+from lightning_shard.auto_sharding import choose_sharding
 from lightning_shard.materialize import materialize_sharded_module
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.wrap import candidate_block_classes, select_modules
@@ -123,6 +124,7 @@ def test_meta_model_without_reset_parameters_fails_loudly() -> None:
         ({"start_method": "thread"}, ValueError, "start_method='thread'"),
         ({"timeout": 30}, TypeError, "timedelta"),
         ({"reduce_dtype": torch.int8}, TypeError, "reduce_dtype"),
+        ({"sharding_strategy": "auto", "cpu_offload": True}, ValueError, "sharding_strategy='auto'"),
     ],
 )
 def test_bad_settings_raise_at_construction(kwargs, error, match) -> None:
@@ -178,3 +180,39 @@ def test_precision_errors() -> None:
 
 def test_timeout_is_accepted_as_timedelta() -> None:
     assert ShardedStrategy(timeout=datetime.timedelta(minutes=5))._timeout == datetime.timedelta(minutes=5)
+
+
+@pytest.mark.parametrize(
+    ("memory_mib", "expected"),
+    [
+        # budget = 70% of the memory; 4M fp32 parameters with AdamW: 61 MiB of model state whole
+        (1024, ("NO_SHARD", False)),  # 61 MiB fits: least communication wins
+        (70, ("SHARD_GRAD_OP", False)),  # 30.5 MiB sharded + all units gathered 15.3 MiB = 45.8 <= 49
+        (60, ("FULL_SHARD", False)),  # 30.5 MiB + two gathered units 7.6 MiB = 38.1 <= 42
+        (30, ("FULL_SHARD", True)),  # only offloading fits: 7.6 MiB on the device
+    ],
+)
+def test_auto_sharding_takes_the_cheapest_option_that_fits(memory_mib: float, expected: tuple[str, bool]) -> None:
+    model = nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(4)])
+    choice = choose_sharding(
+        model,
+        world_size=2,
+        precision="32-true",
+        activation_checkpointing=False,
+        device_memory_bytes=int(memory_mib * 2**20),
+        can_offload=True,
+    )
+    assert (choice.sharding_strategy, choice.cpu_offload) == expected
+    assert expected[0] in choice.reason and "budget" in choice.reason
+
+
+def test_auto_sharding_says_when_nothing_fits() -> None:
+    with pytest.raises(MemoryError, match="No sharding fits.*Use more ranks"):
+        choose_sharding(
+            nn.Linear(1000, 1000),
+            world_size=2,
+            precision="32-true",
+            activation_checkpointing=False,
+            device_memory_bytes=2**20,
+            can_offload=False,
+        )
