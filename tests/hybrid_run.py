@@ -131,6 +131,7 @@ def fit(args: argparse.Namespace, steps: int, ckpt: Path | None, out: Path, save
         strategy=strategy,
         max_steps=steps,
         callbacks=[losses, recorder],
+        gradient_clip_val=args.clip,
         **QUIET,
     )
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH), ckpt_path=ckpt)
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--hybrid-shard-size", type=int)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt", type=Path)
+    parser.add_argument("--clip", type=float, help="gradient_clip_val (by norm)")
     parser.add_argument("--save", action="store_true", help="trainer.save_checkpoint(OUT/model.ckpt) after fit")
     parser.add_argument("--reference", action="store_true", help="Lightning's single-device strategy")
     parser.add_argument(

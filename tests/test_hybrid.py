@@ -9,7 +9,8 @@ torchrun's environment) and train the toy model for 4 steps under ``Trainer(devi
 
 Everything is compared with one process (Lightning's single-device strategy) doing the same 4 / 8 / 10 step
 chain on the same global batches (``toy.rank_slice_loader``): per-step global losses, full weights and full
-optimizer states, tolerance 1e-5 (fp32; measured: bit-identical, 0.0). About a minute on 2 cores.
+optimizer states, tolerance 1e-5 (fp32; measured: bit-identical, 0.0). Every run clips the gradient norm, so the
+norm of the 2-D DTensor gradients is covered too. About a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from lightning_shard.config import ShardingConfig
 
 TOL = 1e-5
 SCRIPT = "tests/hybrid_run.py"
+# Every run clips the gradient norm (active at 0.05 for the toy model): the norm of 2-D DTensor gradients.
+CLIP = ("--clip", "0.05")
 TIMEOUT = 150  # seconds for any one run; the whole module takes about one minute on 2 cores
 # Variables of an enclosing launcher that must not leak into the simulated nodes.
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -63,6 +66,7 @@ def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2, timeout: float
                 "--master_addr=127.0.0.1",
                 f"--master_port={port}",
                 SCRIPT,
+                *CLIP,
                 *args,
             ]
             with open(log, "w") as handle:
@@ -100,74 +104,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timings[name] = time.monotonic() - start
 
     # one process: 4 steps + save, resume to 8 + save, resume to 10
-    timed(
-        "ref",
-        run_script,
-        SCRIPT,
-        "--reference",
-        "--steps",
-        "4",
-        "--resume-steps",
-        "8",
-        "10",
-        "--out",
-        str(out / "ref"),
-        timeout=TIMEOUT,
-    )
+    ref = f"--reference --steps 4 --resume-steps 8 10 --out {out}/ref"
+    timed("ref", run_script, SCRIPT, *CLIP, *ref.split(), timeout=TIMEOUT)
     # 2 nodes x 2 ranks under torchrun, HYBRID_SHARD, 4 steps + sharded save
-    timed(
-        "hsdp_2x2",
-        run_two_nodes,
-        out / "hsdp",
-        "--devices",
-        "2",
-        "--num-nodes",
-        "2",
-        "--sharding",
-        "HYBRID_SHARD",
-        "--steps",
-        "4",
-        "--save",
-        "--out",
-        str(out / "hsdp"),
-    )
+    hsdp = f"--devices 2 --num-nodes 2 --sharding HYBRID_SHARD --steps 4 --save --out {out}/hsdp"
+    timed("hsdp_2x2", run_two_nodes, out / "hsdp", *hsdp.split())
     # HSDP checkpoint -> FULL_SHARD on 2 ranks (Lightning's launcher), to step 8 + save
-    timed(
-        "full_resume",
-        run_script,
-        SCRIPT,
-        "--devices",
-        "2",
-        "--sharding",
-        "FULL_SHARD",
-        "--steps",
-        "8",
-        "--ckpt",
-        str(out / "hsdp/model.ckpt"),
-        "--save",
-        "--out",
-        str(out / "full"),
-        timeout=TIMEOUT,
-    )
+    full = f"--devices 2 --sharding FULL_SHARD --steps 8 --ckpt {out}/hsdp/model.ckpt --save --out {out}/full"
+    timed("full_resume", run_script, SCRIPT, *CLIP, *full.split(), timeout=TIMEOUT)
     # FULL_SHARD checkpoint -> HYBRID_SHARD, world 4 on one node, shard groups of 2, to step 10
-    timed(
-        "hsdp_1node",
-        run_script,
-        SCRIPT,
-        "--devices",
-        "4",
-        "--sharding",
-        "HYBRID_SHARD",
-        "--hybrid-shard-size",
-        "2",
-        "--steps",
-        "10",
-        "--ckpt",
-        str(out / "full/model.ckpt"),
-        "--out",
-        str(out / "hsdp_1node"),
-        timeout=TIMEOUT,
+    one_node = (
+        f"--devices 4 --sharding HYBRID_SHARD --hybrid-shard-size 2 --steps 10 --ckpt {out}/full/model.ckpt "
+        f"--out {out}/hsdp_1node"
     )
+    timed("hsdp_1node", run_script, SCRIPT, *CLIP, *one_node.split(), timeout=TIMEOUT)
     print("hybrid run times (s):", {k: round(v, 1) for k, v in timings.items()})
     return out
 
