@@ -1,0 +1,91 @@
+"""Shared pieces of the benchmarks: the machine description, the step timer, memory figures, synthetic data.
+
+Nothing here changes the strategy; the "from the outside" speed ideas live in ``train_speed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import psutil
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, load and versions at the moment of the call."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident set (Linux ``ru_maxrss`` is KiB)."""
+    return max(psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
+    tmp.replace(path)
+
+
+def random_token_dataset(num_samples: int, block_size: int, vocab_size: int, seed: int = 0) -> torch.utils.data.Dataset:
+    """(x, y) windows of random tokens: no data loading cost inside the timed steps."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (num_samples, block_size + 1), generator=generator)
+    return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
