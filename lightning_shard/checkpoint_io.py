@@ -19,6 +19,7 @@ import pickle
 import shutil
 import uuid
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,23 @@ class ShardedCheckpointIO(CheckpointIO):
 
     The strategy calls :meth:`save_checkpoint` and :meth:`load_into` on every rank.
 
+    Args:
+        async_save: write sharded checkpoints in the background with DCP's ``async_save``: the step waits only
+            while the shards are copied to CPU memory. At most one save is in flight (the next save, a removal
+            and teardown wait for it); the rename that publishes it happens once every rank's files are written.
+
     Example:
         >>> import lightning as L
         >>> from lightning_shard import ShardedStrategy
-        >>> strategy = ShardedStrategy(checkpoint_io=ShardedCheckpointIO(), state_dict_type="full")
+        >>> strategy = ShardedStrategy(checkpoint_io=ShardedCheckpointIO(async_save=True))
     """
+
+    def __init__(self, async_save: bool = False) -> None:
+        if not isinstance(async_save, bool):
+            raise TypeError(f"`async_save={async_save!r}` must be a bool.")
+        self.async_save = async_save
+        self._in_flight: Future | None = None
+        self._async_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ state dicts
 
@@ -100,11 +113,32 @@ class ShardedCheckpointIO(CheckpointIO):
         payload = {
             key: value if key in (MODEL_KEY, OPTIMIZER_KEY) else _opaque(value) for key, value in checkpoint.items()
         }
-        dcp.save({**payload, WORLD_SIZE_KEY: _world_size()}, checkpoint_id=staging)
+        payload[WORLD_SIZE_KEY] = _world_size()
+        if self.async_save:
+            self._save_in_background(payload, staging, path)
+            return
+        dcp.save(payload, checkpoint_id=staging)
         _barrier()
         if _rank() == 0:
             _replace(staging, path)
         _barrier()
+
+    def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path) -> None:
+        self.wait()
+        if self._async_group is None and dist.is_initialized():
+            # The background thread's collectives get their own group so they never interleave with training's.
+            self._async_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(payload, checkpoint_id=staging, process_group=self._async_group)
+        if _rank() == 0:
+            # Rank 0's future completes after it has gathered every rank's write results and written the metadata.
+            future.add_done_callback(lambda done: done.exception() is None and _replace(staging, path))
+        self._in_flight = future
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and published; re-raise its error."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         staging = _staging_path(path)
@@ -117,11 +151,16 @@ class ShardedCheckpointIO(CheckpointIO):
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete a checkpoint file or directory (call on one rank)."""
+        self.wait()  # the save in flight may be publishing this very path
         path = Path(path)
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
+
+    @override
+    def teardown(self) -> None:
+        self.wait()
 
     # ------------------------------------------------------------------ load
 

@@ -80,6 +80,7 @@ class ShardedStrategy(ParallelStrategy):
         hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
         reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
         state_dict_type: ``"sharded"`` (a torch.distributed.checkpoint directory) or ``"full"`` (one file).
+        async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
@@ -106,6 +107,7 @@ class ShardedStrategy(ParallelStrategy):
         hybrid_shard_size: int | None = None,
         reduce_dtype: torch.dtype | None = None,
         state_dict_type: StateDictType = "sharded",
+        async_save: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -137,6 +139,12 @@ class ShardedStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
+        if async_save:
+            if checkpoint_io is not None:
+                raise ValueError("Pass `async_save` to your `ShardedCheckpointIO(async_save=True)`, not to both.")
+            if state_dict_type != "sharded":
+                raise ValueError("`async_save=True` writes sharded checkpoints; use `state_dict_type='sharded'`.")
+            self._checkpoint_io = ShardedCheckpointIO(async_save=True)
 
     # ------------------------------------------------------------------ properties Lightning reads
 

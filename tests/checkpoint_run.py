@@ -55,7 +55,11 @@ class StateRecorder(L.Callback):
 
 
 def make_trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
-    strategy = "auto" if args.reference else lightning_shard.ShardedStrategy(state_dict_type=args.format)
+    strategy = (
+        "auto"
+        if args.reference
+        else lightning_shard.ShardedStrategy(state_dict_type=args.format, async_save=args.async_save)
+    )
     return L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -79,6 +83,7 @@ def main() -> None:
     parser.add_argument("--format", choices=["sharded", "full"], default="sharded")
     parser.add_argument("--ckpt", type=Path)
     parser.add_argument("--reference", action="store_true", help="Lightning's single-device strategy")
+    parser.add_argument("--async-save", action="store_true", help="DCP async_save for sharded checkpoints")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -209,12 +209,16 @@ def test_missing_checkpoint_is_named(tmp_path: Path) -> None:
         ShardedCheckpointIO().load_checkpoint(tmp_path / "nothing.ckpt")
 
 
-def test_top_k_and_last_with_checkpoint_directories(tmp_path: Path) -> None:
-    run_script(SCRIPT, "topk", "--devices", "2", "--steps", "4", "--out", str(tmp_path))
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_top_k_and_last_with_checkpoint_directories(tmp_path: Path, async_save: bool) -> None:
+    run_script(SCRIPT, "topk", "--devices", "2", "--steps", "4", "--out", str(tmp_path), *["--async-save"] * async_save)
     names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    # saved every step: top-2 by step and last; removed ones and staging directories are gone
     assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"], names
     assert all(is_sharded_checkpoint(tmp_path / "ckpts" / name) for name in names)
-    assert ShardedCheckpointIO().load_checkpoint(tmp_path / "ckpts/last.ckpt")["global_step"] == 4
+    last = ShardedCheckpointIO().load_checkpoint(tmp_path / "ckpts/last.ckpt")
+    assert last["global_step"] == 4
+    assert max_diff(last["state_dict"], torch.load(tmp_path / "result.pt", weights_only=False)["end"]["weights"]) == 0
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ def test_meta_model_without_reset_parameters_fails_loudly() -> None:
         ({"timeout": 30}, TypeError, "timedelta"),
         ({"reduce_dtype": torch.int8}, TypeError, "reduce_dtype"),
         ({"sharding_strategy": "auto", "cpu_offload": True}, ValueError, "sharding_strategy='auto'"),
+        ({"async_save": True, "state_dict_type": "full"}, ValueError, "state_dict_type='sharded'"),
     ],
 )
 def test_bad_settings_raise_at_construction(kwargs, error, match) -> None:
