@@ -1,7 +1,8 @@
 """HYBRID_SHARD on a 2-D ``("replicate", "shard")`` mesh, with two simulated nodes on this machine.
 
 Two ``torchrun --nnodes 2 --nproc_per_node 2 --node_rank {0,1}`` invocations run concurrently (Lightning detects
-torchrun's environment) and train the toy model for 4 steps under ``Trainer(devices=2, num_nodes=2)``; then
+torchrun's environment) and train the toy model for 4 steps under ``Trainer(devices=2, num_nodes=2)``, as do 4
+processes given the variables ``srun`` sets on 2 nodes x 2 tasks (Lightning's SLURMEnvironment); then
 
 * a 2-rank FULL_SHARD run (Lightning's own launcher) resumes that sharded HSDP checkpoint to step 8 and saves;
 * a 4-rank HYBRID_SHARD run on one node with ``hybrid_shard_size=2`` (mesh (2, 2)) resumes the FULL_SHARD
@@ -10,7 +11,7 @@ torchrun's environment) and train the toy model for 4 steps under ``Trainer(devi
 Everything is compared with one process (Lightning's single-device strategy) doing the same 4 / 8 / 10 step
 chain on the same global batches (``toy.rank_slice_loader``): per-step global losses, full weights and full
 optimizer states, tolerance 1e-5 (fp32; measured: bit-identical, 0.0). Every run clips the gradient norm, so the
-norm of the 2-D DTensor gradients is covered too. About a minute on 2 cores.
+norm of the 2-D DTensor gradients is covered too. About 70 s on 2 idle cores (100 s when they are busy).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ TOL = 1e-5
 SCRIPT = "tests/hybrid_run.py"
 # Every run clips the gradient norm (active at 0.05 for the toy model): the norm of 2-D DTensor gradients.
 CLIP = ("--clip", "0.05")
-TIMEOUT = 150  # seconds for any one run; the whole module takes about one minute on 2 cores
+TIMEOUT = 150  # seconds for any one run (each takes 5-35 s on 2 cores)
 # Variables of an enclosing launcher that must not leak into the simulated nodes.
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,40 +46,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2, timeout: float = TIMEOUT) -> None:
-    """Start two torchrun "nodes" of ``nproc_per_node`` ranks on this machine; kill both on failure or timeout."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+def _clean_env() -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
-    port = _free_port()
+    return env
+
+
+def run_together(out: Path, jobs: list[tuple[list[str], dict[str, str]]], timeout: float = TIMEOUT) -> None:
+    """Start every ``(command, env)`` at once, each in a session of its own; wait for all. On the first failure
+    or at ``timeout``, kill every process group (a torchrun agent and its workers go together), then fail."""
     out.mkdir(parents=True, exist_ok=True)
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
-        for node_rank in (0, 1):
-            log = out / f"node{node_rank}.log"
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--nproc_per_node={nproc_per_node}",
-                f"--node_rank={node_rank}",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                SCRIPT,
-                *CLIP,
-                *args,
-            ]
+        for index, (command, env) in enumerate(jobs):
+            log = out / f"launch{index}.log"
             with open(log, "w") as handle:
-                # A session of its own: on failure the whole tree (agent and workers) is killed as one group.
-                proc = subprocess.Popen(
-                    command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+                procs.append(
+                    (
+                        subprocess.Popen(
+                            command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+                        ),
+                        log,
+                    )
                 )
-            procs.append((proc, log))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p, _ in procs):
-            failed = [p for p, _ in procs if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
+            if any(p.returncode not in (None, 0) for p, _ in procs) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
@@ -88,9 +84,40 @@ def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2, timeout: float
                 proc.wait()
     if any(p.returncode != 0 for p, _ in procs):
         logs = "\n".join(
-            f"--- node {i} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}" for i, (p, log) in enumerate(procs)
+            f"--- {' '.join(jobs[i][0][-12:])} (exit {p.returncode}) ---\n{log.read_text()[-4000:]}"
+            for i, (p, log) in enumerate(procs)
         )
-        pytest.fail(f"two-node torchrun `{SCRIPT} {' '.join(args)}` failed or timed out after {timeout}s:\n{logs}")
+        pytest.fail(f"simultaneous launch failed or timed out after {timeout}s:\n{logs}")
+
+
+def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2) -> None:
+    """Two torchrun "nodes" of ``nproc_per_node`` ranks on this machine, as on two hosts (static rendezvous)."""
+    port, env = _free_port(), _clean_env()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc_per_node}"]
+    address = ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    run_together(out, [([*torchrun, f"--node_rank={node}", *address, SCRIPT, *CLIP, *args], env) for node in (0, 1)])
+
+
+def run_like_srun(out: Path, *args: str, nodes: int = 2, tasks_per_node: int = 2) -> None:
+    """One process per task with the variables ``srun`` sets, so Lightning picks its SLURMEnvironment."""
+    port, world = _free_port(), nodes * tasks_per_node
+    jobs = []
+    for rank in range(world):
+        env = _clean_env()
+        env.update(
+            SLURM_JOB_NAME="hybrid",
+            SLURM_JOB_ID="4242",
+            SLURM_NTASKS=str(world),
+            SLURM_NNODES=str(nodes),
+            SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+            SLURM_PROCID=str(rank),
+            SLURM_NODEID=str(rank // tasks_per_node),
+            SLURM_LOCALID=str(rank % tasks_per_node),
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        jobs.append(([sys.executable, SCRIPT, *CLIP, *args], env))
+    run_together(out, jobs)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +136,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # 2 nodes x 2 ranks under torchrun, HYBRID_SHARD, 4 steps + sharded save
     hsdp = f"--devices 2 --num-nodes 2 --sharding HYBRID_SHARD --steps 4 --save --out {out}/hsdp"
     timed("hsdp_2x2", run_two_nodes, out / "hsdp", *hsdp.split())
+    # the same under SLURM's variables (as `srun` on 2 nodes x 2 tasks sets them), no save
+    slurm = f"--devices 2 --num-nodes 2 --sharding HYBRID_SHARD --steps 4 --out {out}/slurm"
+    timed("slurm_2x2", run_like_srun, out / "slurm", *slurm.split())
     # HSDP checkpoint -> FULL_SHARD on 2 ranks (Lightning's launcher), to step 8 + save
     full = f"--devices 2 --sharding FULL_SHARD --steps 8 --ckpt {out}/hsdp/model.ckpt --save --out {out}/full"
     timed("full_resume", run_script, SCRIPT, *CLIP, *full.split(), timeout=TIMEOUT)
@@ -171,8 +201,16 @@ def test_two_nodes_build_a_2x2_hybrid_mesh(runs: Path) -> None:
     assert embed["global_shape"] == (16, 8) and embed["local_shape"] == (8, 8)
 
 
-def test_two_nodes_match_one_process(runs: Path) -> None:
-    hsdp, ref = result(runs, "hsdp"), result(runs, "ref")
+def test_slurm_tasks_build_the_same_mesh(runs: Path) -> None:
+    layout = result(runs, "slurm")["layout"]
+    assert layout["cluster_environment"] == "SLURMEnvironment"
+    assert_hybrid_layout(layout, nodes=2, shard_size=2)
+    assert [(r["node_rank"], r["local_rank"]) for r in layout["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("launch", ["hsdp", "slurm"])
+def test_two_nodes_match_one_process(runs: Path, launch: str) -> None:
+    hsdp, ref = result(runs, launch), result(runs, "ref")
     assert len(hsdp["losses"]) == len(ref["losses"]) == 4
     assert max_diff(hsdp["losses"], ref["losses"]) < TOL
     assert max_diff(hsdp["end"]["weights"], ref["end"]["weights"]) < TOL
