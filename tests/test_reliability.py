@@ -82,7 +82,6 @@ def assert_failed_promptly(rc: int, output: str, seconds: float, out: Path, *exp
         ("lightning", "fit", 0),
         ("torchrun", "fit", 1),
         ("lightning", "validate", 1),
-        ("torchrun", "validate", 1),
     ],
 )
 def test_rank_that_raises_ends_the_job(tmp_path: Path, launcher: str, where: str, rank: int) -> None:
