@@ -38,6 +38,8 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "lightning": L.__version__,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
+        # Uncommitted edits to the package under test (other people work in the same tree).
+        "git_dirty": _git("status", "--short", "--", "lightning_shard", "examples").splitlines(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

@@ -28,7 +28,9 @@ def _machine_line(data: dict[str, Any]) -> str:
     return (
         f"{s['cpu_count']} cores ({s['cpu_model']}), {s['memory_gib']} GiB; load average (1/5/15 min) "
         f"{'/'.join(f'{x:.1f}' for x in s['loadavg'])} at start, {'/'.join(f'{x:.1f}' for x in e['loadavg'])} at end; "
-        f"torch {s['torch']}, lightning {s['lightning']}, commit {s['git_commit']}, {s['time']}"
+        f"torch {s['torch']}, lightning {s['lightning']}, commit {s['git_commit']}"
+        + (f" with uncommitted edits ({', '.join(e.get('git_dirty', []))})" if e.get("git_dirty") else "")
+        + f", {s['time']}"
     )
 
 
@@ -182,6 +184,37 @@ def changes_section(s: dict[str, Any], data: dict[str, Any]) -> list[str]:
             f"| {_ratio(s['ddp']['median_step'] if 'ddp' in s else None, v['median_step'])} |"
         )
     lines.append("")
+
+    def gain(name: str) -> str:
+        return f"{base['median_step'] / s[name]['median_step'] - 1:+.0%}" if name in s else "not measured"
+
+    lines += [
+        "The changes, as they would go into the strategy (none of them is applied to it by this benchmark):",
+        "",
+        f"1. **Thread count on every rank** (`fs_threads`, measured {gain('fs_threads')}). "
+        "`ShardedStrategy._configure_launcher` returns early when `cluster_environment.creates_processes_externally`, "
+        "which is true on the ranks the popen launcher starts (they see `LOCAL_RANK`), so they never run the "
+        "launcher's `_set_num_threads_if_needed` and keep torch's default of all cores: here rank 0 ran 1 thread "
+        "and rank 1 ran 2 on 2 cores (column *torch threads* above). Lightning's `DDPStrategy` always builds the "
+        "`_SubprocessScriptLauncher` for popen (it spawns nothing on such ranks but still sets the threads), so "
+        "under DDP every rank runs cores // ranks threads. Change: in `ShardedStrategy.setup_environment`, before "
+        "`_init_dist_connection`, add "
+        "`_set_num_threads_if_needed(num_processes=self.num_processes)` (from "
+        "`lightning.fabric.utilities.distributed`; a no-op when `OMP_NUM_THREADS` is set, e.g. by torchrun), or "
+        "build the launcher unconditionally for `start_method=\"popen\"` as `DDPStrategy._configure_launcher` does. "
+        "(Lightning's own `ModelParallelStrategy`, the anchor, has the same gap.)",
+        f"2. **Keep the last Block gathered after forward** (`fs_last`, measured {gain('fs_last')}): in "
+        "`parallelize_module`, pass `reshard_after_forward=False` to the last unit's `fully_shard` call "
+        "(torchtitan does the same: backward starts with that block, so resharding it only to gather it again "
+        "costs one all-gather per step; the memory cost is one block's unsharded parameters during the "
+        "forward-to-backward gap). Equivalent after setup: `units[-1].set_reshard_after_forward(False)`.",
+        f"3. **Explicit prefetch** (`fs_prefetch`, measured {gain('fs_prefetch')}): "
+        "`units[i].set_modules_to_forward_prefetch([units[i + 1]])` and "
+        "`units[i].set_modules_to_backward_prefetch([units[i - 1]])` after sharding. On CPU, FSDP2 has no "
+        "copy/communication streams; an issued-early all-gather can only overlap through gloo's own worker thread, "
+        "which competes with compute for the same two cores.",
+        "",
+    ]
     return lines
 
 
