@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.checkpoint_io import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
+from lightning_shard.integrity import CheckpointIntegrityError
 from lightning_shard.memory import (
     MemoryBreakdown,
     MemoryEstimate,
@@ -24,6 +25,7 @@ from lightning_shard.strategy import ShardedStrategy
 ShardedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "CheckpointIntegrityError",
     "MemoryBreakdown",
     "MemoryEstimate",
     "ShardedCheckpointIO",

@@ -14,6 +14,7 @@ Either format loads into any world size: DCP reshards, and a full file is read b
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
 import shutil
@@ -40,6 +41,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_shard import integrity
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
@@ -167,8 +170,6 @@ class ShardedCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
         """Read a whole checkpoint of either format into this process (no model needed)."""
-        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
-
         path = _existing(path)
         if path.is_dir():  # a directory without `.metadata` is named as such by the check
             integrity.check_sharded(path)
@@ -192,23 +193,10 @@ class ShardedCheckpointIO(CheckpointIO):
         return self._load_full(path, model, optimizers if load_optimizers else [], strict)
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
-
         model_state = self.model_state(model, full=False)
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
-        error: Exception | None = None
-        try:
-            metadata = integrity.check_sharded(path)
-            problems = integrity.mismatch_problems(
-                integrity.sharded_model_shapes(metadata), integrity.expected_model_shapes(model_state), strict
-            )
-            message = integrity.model_mismatch_message(path, problems)
-            if message is not None:
-                raise integrity.CheckpointIntegrityError(message)
-        except Exception as caught:
-            error = caught
-        integrity.agree(error)
+        metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, model_state, strict))
         saved_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         target: dict[str, Any] = {MODEL_KEY: model_state}
         if optimizers:
@@ -222,28 +210,11 @@ class ShardedCheckpointIO(CheckpointIO):
         return read_sharded_keys(path, saved_keys - {MODEL_KEY, OPTIMIZER_KEY})
 
     def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        from lightning_shard import integrity  # noqa: PLC0415 (the loading functions' checks)
-
-        # Rank 0 reads the file; the others receive the weights by broadcast and never touch it.
+        # Rank 0 alone reads and checks the file; the others learn its verdict before waiting in the broadcast
+        # below, and receive the weights by broadcast without touching the file.
         model_state = self.model_state(model, full=False)
-        checkpoint: Any = {}
-        error: Exception | None = None
-        if _rank() == 0:
-            try:
-                checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False)
-                saved = integrity.full_model_shapes(checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None)
-                if saved is None:
-                    raise integrity.CheckpointIntegrityError(
-                        f"The checkpoint {path} holds no `{MODEL_KEY}` mapping of weights (not Lightning's?)."
-                    )
-                expected = integrity.expected_model_shapes(model_state)
-                message = integrity.model_mismatch_message(path, integrity.mismatch_problems(saved, expected, strict))
-                if message is not None:
-                    raise integrity.CheckpointIntegrityError(message)
-            except Exception as caught:
-                error = caught
-        # Rank 0 alone reads the file; the others learn its verdict before waiting in the broadcast below.
-        integrity.agree(error)
+        checkpoint = integrity.agreed(lambda: integrity.load_full_that_fits(path, model_state, strict), _rank() == 0)
+        checkpoint = checkpoint or {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=strict)
         set_model_state_dict(model, checkpoint.pop(MODEL_KEY, {}), options=options)
         optimizer_states = checkpoint.pop(OPTIMIZER_KEY, None)
@@ -313,10 +284,12 @@ def _replace(staging: Path, path: Path) -> None:
     if path.exists():
         os.replace(path, retired)
     os.replace(staging, path)
-    if retired.is_dir():
-        shutil.rmtree(retired)
-    elif retired.exists():
-        retired.unlink()
+    # Last: the replaced checkpoint, and staging left by saves to this path that were interrupted earlier.
+    for leftover in [retired, *path.parent.glob(f".{glob.escape(path.name)}.tmp-*")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover.exists():
+            leftover.unlink()
 
 
 def _rank() -> int:

@@ -13,9 +13,9 @@ reach).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 _METADATA = ".metadata"
 _MODEL_PREFIX = "state_dict."
 _MAX_LISTED = 8
+T = TypeVar("T")
 
 
 class CheckpointIntegrityError(RuntimeError):
@@ -153,6 +154,41 @@ def _listed(items: list[str]) -> str:
     return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
 
 
+def check_sharded_fits(path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool) -> Metadata:
+    """Check a sharded checkpoint's files and its weights' names and shapes against ``model_state``.
+
+    Example:
+        >>> check_sharded_fits("out/last.ckpt", model.state_dict(), strict=True)  # doctest: +SKIP
+    """
+    metadata = check_sharded(path)
+    _raise_mismatch(path, sharded_model_shapes(metadata), model_state, strict)
+    return metadata
+
+
+def load_full_that_fits(path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+    """Load a full checkpoint file and check its weights' names and shapes against ``model_state``.
+
+    Example:
+        >>> load_full_that_fits("out/model.ckpt", model.state_dict(), strict=True)  # doctest: +SKIP
+    """
+    checkpoint = load_full_file(path, map_location="cpu", weights_only=False)
+    saved = full_model_shapes(checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None)
+    if saved is None:
+        raise CheckpointIntegrityError(
+            f"The checkpoint {path} holds no `state_dict` mapping of weights (not Lightning's?)."
+        )
+    _raise_mismatch(path, saved, model_state, strict)
+    return checkpoint
+
+
+def _raise_mismatch(
+    path: str | os.PathLike, saved: Mapping[str, torch.Size | None], model_state: Mapping[str, Any], strict: bool
+) -> None:
+    message = model_mismatch_message(path, mismatch_problems(saved, expected_model_shapes(model_state), strict))
+    if message is not None:
+        raise CheckpointIntegrityError(message)
+
+
 def model_mismatch_message(path: str | os.PathLike, problems: Iterable[str]) -> str | None:
     problems = list(problems)
     if not problems:
@@ -164,6 +200,23 @@ def model_mismatch_message(path: str | os.PathLike, problems: Iterable[str]) -> 
 
 
 # ------------------------------------------------------------------ agreement across ranks
+
+
+def agreed(check: Callable[[], T], here: bool = True) -> T | None:
+    """Run ``check`` (on this rank if ``here``), then :func:`agree`: its result, or the same error on every rank.
+
+    Example:
+        >>> agreed(lambda: 42)
+        42
+    """
+    result, error = None, None
+    if here:
+        try:
+            result = check()
+        except Exception as caught:
+            error = caught
+    agree(error)
+    return result
 
 
 def agree(error: BaseException | None) -> None:

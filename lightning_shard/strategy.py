@@ -32,11 +32,11 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_shard.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.checkpoint_io import ShardedCheckpointIO
 from lightning_shard.config import ShardingConfig, StateDictType
+from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision, check_reduce_dtype
 from lightning_shard.wrap import WrapPolicy
@@ -240,7 +241,7 @@ class ShardedStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -268,6 +269,12 @@ class ShardedStrategy(ParallelStrategy):
 
     def _build_device_mesh(self) -> DeviceMesh:
         shape = self.config.mesh_shape(self.world_size, self.num_processes)
+        shard_size, per_node = shape[-1], self.num_processes
+        if self.config.sharding_strategy == "HYBRID_SHARD" and shard_size % per_node and per_node % shard_size:
+            rank_zero_warn(
+                f"`hybrid_shard_size={shard_size}` with {per_node} devices per node makes shard groups that straddle "
+                "nodes unevenly; pick a divisor or a multiple of the devices per node."
+            )
         device_type = self.root_device.type
         if len(shape) == 1:
             return init_device_mesh(device_type, shape, mesh_dim_names=("shard",))

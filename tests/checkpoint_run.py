@@ -20,38 +20,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.utils._pytree import tree_map
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+from toy import GlobalLossRecorder, StateRecorder, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 
 GLOBAL_BATCH = 8
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-class StateRecorder(L.Callback):
-    """Full weights and optimizer state when training starts (just after a resume loaded them) and ends."""
-
-    def __init__(self) -> None:
-        self.states: dict[str, Any] = {}
-
-    def _record(self, when: str, trainer: L.Trainer, model: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        state = {
-            "weights": get_model_state_dict(model, options=FULL),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer.state else {},
-        }
-        # On one rank the gathered tensors can be the live ones (AdamW's `step` counters, the weights): copy.
-        self.states[when] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._record("start", trainer, pl_module)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._record("end", trainer, pl_module)
 
 
 def make_trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:

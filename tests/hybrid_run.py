@@ -26,48 +26,26 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+from toy import QUIET, GlobalLossRecorder, StateRecorder, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 
 GLOBAL_BATCH = 8
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-QUIET = {
-    "use_distributed_sampler": False,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-}
 
 
-class Recorder(L.Callback):
-    """The layout of every parameter and the full weights/optimizer state at train start and end."""
+class Recorder(StateRecorder):
+    """The layout of every parameter, and the full weights/optimizer state at train start and end."""
 
     def __init__(self) -> None:
-        self.states: dict[str, Any] = {}
+        super().__init__()
         self.layout: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.layout = _layout(trainer, pl_module)
-        self._record("start", trainer, pl_module)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._record("end", trainer, pl_module)
-
-    def _record(self, when: str, trainer: L.Trainer, model: L.LightningModule) -> None:
-        optimizer = trainer.optimizers[0]
-        state = {
-            "weights": get_model_state_dict(model, options=FULL),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer.state else {},
-        }
-        # On one rank the gathered tensors can be the live ones: copy.
-        self.states[when] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+        super().on_train_start(trainer, pl_module)
 
 
 def _layout(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:

@@ -15,10 +15,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402,F401
 
@@ -37,6 +37,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
     "sgd": ({"auto_wrap_policy": None}, {}, {"optimizer": "sgd"}),
     "auto_sharding": ({"sharding_strategy": "auto"}, {}, {}),
+    # spawned workers: only the weights come back to this process (callbacks ran in the workers)
+    "spawn": ({"start_method": "spawn"}, {}, {}),
     "evaluate": ({}, {}, {}),
     "bf16_mixed": ({}, {"precision": "bf16-mixed"}, {}),
     "fp16_mixed": ({}, {"plugins": "16-mixed"}, {}),
@@ -65,13 +67,13 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH))
     result: dict[str, Any] = {
         "losses": recorder.losses,
-        "forward_dtypes": model.blocks[0].seen_dtypes,
+        "forward_dtypes": getattr(model.blocks[0], "seen_dtypes", None),  # None: the forward ran in workers
         "stored_dtype": str(next(model.parameters()).dtype),
         "sharding_strategy": getattr(trainer.strategy, "config", None) and trainer.strategy.config.sharding_strategy,
     }
     if name == "evaluate":
         result.update(_evaluate(trainer, model, devices, reference))
-    result["weights"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result["weights"] = get_model_state_dict(model, options=FULL)
     if trainer.is_global_zero:
         torch.save(result, out / f"{name}.pt")
 
@@ -90,15 +92,6 @@ def _evaluate(trainer: L.Trainer, model: ToyModel, devices: int, reference: bool
 
 def _strategy(reference: bool, **kwargs: Any) -> Any:
     return "auto" if reference else lightning_shard.ShardedStrategy(**kwargs)
-
-
-QUIET = {
-    "use_distributed_sampler": False,
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-}
 
 
 def main() -> None:

@@ -203,6 +203,11 @@ def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Pa
     monkeypatch.undo()
     assert io.load_checkpoint(path)["global_step"] == 1
 
+    # the next good save publishes and clears the staging the interrupted ones left
+    io.save_checkpoint(checkpoint(3.0), path)
+    assert io.load_checkpoint(path)["global_step"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
 
 def test_missing_checkpoint_is_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nothing.ckpt"):

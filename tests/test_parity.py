@@ -24,6 +24,7 @@ FP32 = [
     "checkpointing",
     "sgd",
     "evaluate",
+    "auto_sharding",
 ]
 PRECISIONS = ["bf16_mixed", "fp16_mixed", "bf16_true", "fp16_true"]
 TOL = 1e-5
@@ -35,6 +36,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_script("tests/parity_run.py", "--devices", "2", "--out", str(out / "two"), *FP32, *PRECISIONS)
     run_script("tests/parity_run.py", "--devices", "1", "--reference", "--out", str(out / "ref"), *FP32)
     run_script("tests/parity_run.py", "--devices", "1", "--out", str(out / "one"), "bf16_mixed")
+    # its own invocation: a spawning launcher in a process that is already rank 0 of another would not do
+    run_script("tests/parity_run.py", "--devices", "2", "--out", str(out / "two"), "spawn")
     return {"two": out / "two", "ref": out / "ref", "one": out / "one"}
 
 
@@ -54,6 +57,13 @@ def test_two_ranks_match_one_process(results: dict[str, Path], scenario: str) ->
     assert two["losses"] == pytest.approx(ref["losses"], abs=TOL)
     assert max_weight_diff(two["weights"], ref["weights"]) < TOL
     assert two["losses"][-1] < two["losses"][0], "the toy model should learn"
+
+
+def test_spawn_launcher_returns_the_trained_weights(results: dict[str, Path]) -> None:
+    # start_method="spawn": training ran in worker processes; the main process's model gets rank 0's gathered weights
+    spawned, ref = load(results, "two", "spawn"), load(results, "ref", "full")
+    assert spawned["losses"] == []  # the callback ran in the workers, not here
+    assert max_weight_diff(spawned["weights"], ref["weights"]) < TOL
 
 
 def test_auto_sharding_picks_no_shard_when_the_model_fits(results: dict[str, Path]) -> None:

@@ -59,8 +59,7 @@ BLOCKS = ["", "blocks.0", "blocks.1", "blocks.2"]
         # size-based: a block holds 1,104 parameters (fc1 544, fc2 528, norm 32; embed 144, head 17);
         # a unit claims only what the smaller units below it left
         (1000, BLOCKS),
-        (200, ["", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1",
-               "blocks.2.fc2"]),
+        (200, ["", "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1", "blocks.2.fc2"]),
     ],
     ids=["class-set", "class-list", "name", "import-path", "auto", "callable", "none", "min-params", "small-units"],
 )

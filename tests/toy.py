@@ -6,13 +6,26 @@ the r-th slice of every global batch, so the mean of the ranks' losses is the on
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, TensorDataset
 
 IN_FEATURES, WIDTH, N_SAMPLES = 8, 16, 64
+# Trainer settings of every scripted run: our own sampler, nothing written unless a test asks for it.
+QUIET = {
+    "use_distributed_sampler": False,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Block(nn.Module):
@@ -54,7 +67,7 @@ class ToyModel(L.LightningModule):
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
-        return self.head(h).squeeze(-1)
+        return self.head(h).sum(-1)  # a reduction, not a view: FSDP warns about returned views
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -99,3 +112,25 @@ class GlobalLossRecorder(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().float().clone()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+
+
+class StateRecorder(L.Callback):
+    """Full weights and optimizer state when training starts (just after a resume loaded them) and ends."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, Any] = {}
+
+    def _record(self, when: str, trainer: L.Trainer, model: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        state = {
+            "weights": get_model_state_dict(model, options=FULL),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=FULL) if optimizer.state else {},
+        }
+        # On one rank the gathered tensors can be the live ones (AdamW's `step` counters, the weights): copy.
+        self.states[when] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record("start", trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record("end", trainer, pl_module)

@@ -1,0 +1,43 @@
+"""Lightning's spawn/fork launcher, taught to hand sharded weights back to the main process."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """``start_method="spawn"`` / ``"fork"`` / ``"forkserver"`` for the sharded strategy.
+
+    After ``fit`` the worker processes end and the main process's model receives rank 0's weights. The base class
+    saves ``state_dict()`` - DTensor shards - through the strategy's checkpoint IO on rank 0 alone; here every rank
+    takes part in gathering the whole weights to rank 0's CPU memory, and rank 0 writes them with ``torch.save``.
+
+    Example:
+        >>> from lightning_shard import ShardedStrategy
+        >>> strategy = ShardedStrategy(start_method="spawn")  # uses this launcher
+    """
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state_dict = get_model_state_dict(trainer.lightning_module, options=options)  # a collective: every rank
+        if trainer.global_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None)
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            torch.save(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
