@@ -26,6 +26,8 @@ Configurations (``CONFIGS``):
                  makes no launcher on ranks it did not start (``creates_processes_externally``), so on those ranks
                  torch keeps its default of all cores (DDPStrategy always makes one, and every rank sets 1 thread).
   fs_both        fs_prefetch + fs_last (--configs fs_both);  fs_all: fs_threads + fs_prefetch + fs_last.
+  fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
+                 under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.
 The last three apply a change from the outside (a callback after the strategy's setup); nothing in the strategy
 is edited.
 """
@@ -49,7 +51,7 @@ MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dr
 DEFAULTS = dict(batch_size=2, warmup=2, steps=8, devices=2)
 
 CONFIGS = ["ddp", "anchor", "fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_threads", "fs_prefetch", "fs_last"]
-EXTRA_CONFIGS = ["fs_both", "fs_all"]
+EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach"]
 DESCRIPTIONS = {
     "ddp": "Lightning DDPStrategy",
     "anchor": "Lightning ModelParallelStrategy + fully_shard by hand (eager build)",
@@ -64,6 +66,8 @@ DESCRIPTIONS = {
     "fs_both": "FULL_SHARD + explicit prefetch + last Block kept gathered (from outside)",
     "fs_threads": "FULL_SHARD + torch threads = cores // ranks on every rank, as DDP's launcher sets (from outside)",
     "fs_all": "FULL_SHARD + threads + explicit prefetch + last Block kept gathered (from outside)",
+    "fs_foreach": "FULL_SHARD + AdamW(foreach=True) (from outside: param_groups['foreach'] = True)",
+    "ddp_foreach": "DDPStrategy + AdamW(foreach=True) (the same change for the baseline)",
 }
 
 
@@ -99,15 +103,38 @@ def _worker(args: argparse.Namespace) -> None:
             self.losses: list[float] = []
             self.state: dict[str, int] = {}
             self._t0 = 0.0
+            self.setup_peak_rss = 0
+            self.first_step_peak_rss = 0
+            # Phase split of each step on this rank (no extra barriers): forward (start -> on_before_backward),
+            # backward incl. gradient reduction (-> on_after_backward), the rest (optimizer step, scheduler, logging).
+            self.phases: list[tuple[float, float, float]] = []
+            self._marks: dict[str, float] = {}
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self._marks["fwd"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            self._marks["bwd"] = time.perf_counter()
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            # After configure_model, sharding/materialisation and optimizer creation, before the first step.
+            self.setup_peak_rss = peak_rss_bytes()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             barrier()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            end = time.perf_counter()
+            if "fwd" in self._marks and "bwd" in self._marks:
+                fwd, bwd = self._marks["fwd"], self._marks["bwd"]
+                self.phases.append((fwd - self._t0, bwd - fwd, end - bwd))
+            self._marks.clear()
             barrier()
             self.times.append(time.perf_counter() - self._t0)
             self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
+            if batch_idx == 0:
+                self.first_step_peak_rss = peak_rss_bytes()
             if batch_idx == args.warmup + args.steps - 1:
                 params = list(pl_module.parameters())
                 self.state = {
@@ -119,8 +146,8 @@ def _worker(args: argparse.Namespace) -> None:
     class OutsideTweaks(Callback):
         """Speed ideas applied to the sharded model after the strategy's setup (nothing in the strategy is edited)."""
 
-        def __init__(self, prefetch: bool, keep_last: bool, threads: bool) -> None:
-            self.prefetch, self.keep_last, self.threads = prefetch, keep_last, threads
+        def __init__(self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False) -> None:
+            self.prefetch, self.keep_last, self.threads, self.foreach = prefetch, keep_last, threads, foreach
 
         def setup(self, trainer, pl_module, stage) -> None:
             if self.threads:
@@ -138,13 +165,19 @@ def _worker(args: argparse.Namespace) -> None:
                         block.set_modules_to_backward_prefetch([blocks[i - 1]])
             if self.keep_last and blocks:
                 blocks[-1].set_reshard_after_forward(False)
+            if self.foreach:
+                for optimizer in trainer.optimizers:
+                    for group in optimizer.param_groups:
+                        group["foreach"] = True
 
     config = args.worker
     L.seed_everything(1234, verbose=False)
     module_cls = GPT
     callbacks: list[Callback] = []
-    if config == "ddp":
+    if config in ("ddp", "ddp_foreach"):
         strategy: Any = DDPStrategy()
+        if config == "ddp_foreach":
+            callbacks.append(OutsideTweaks(prefetch=False, keep_last=False, threads=False, foreach=True))
     elif config == "anchor":
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
         module_cls = AnchorGPT
@@ -156,12 +189,13 @@ def _worker(args: argparse.Namespace) -> None:
             auto_wrap_policy=["Block"],
             activation_checkpointing=["Block"] if config.endswith("_ac") else None,
         )
-        if config in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all"):
+        if config in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach"):
             callbacks.append(
                 OutsideTweaks(
                     prefetch=config in ("fs_prefetch", "fs_both", "fs_all"),
                     keep_last=config in ("fs_last", "fs_both", "fs_all"),
                     threads=config in ("fs_threads", "fs_all"),
+                    foreach=config == "fs_foreach",
                 )
             )
     timer = StepTimer()
@@ -194,9 +228,12 @@ def _worker(args: argparse.Namespace) -> None:
         "step_seconds": timer.times,
         "timed_step_seconds": timer.times[args.warmup :],
         "losses": timer.losses,
+        "phase_seconds": timer.phases,
         "model_state": timer.state,
         "num_params": num_params,
         "peak_rss_bytes": peak_rss_bytes(),
+        "setup_peak_rss_bytes": timer.setup_peak_rss,
+        "first_step_peak_rss_bytes": timer.first_step_peak_rss,
         "fit_seconds": fit_seconds,
         "loadavg_end": list(os.getloadavg()),
     }
