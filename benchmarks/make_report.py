@@ -52,6 +52,14 @@ def summarise_train(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         entry["steps"] += steps
         entry["round_medians"].append(statistics.median(steps))
         entry["peak_rss"].append([r["peak_rss_bytes"] for r in ranks])
+        entry.setdefault("setup_rss", []).append([r.get("setup_peak_rss_bytes", 0) for r in ranks])
+        entry.setdefault("step1_rss", []).append([r.get("first_step_peak_rss_bytes", 0) for r in ranks])
+        warmup = settings["warmup"]
+        if all(len(r.get("phase_seconds", [])) > warmup for r in ranks):
+            n = min(len(r["phase_seconds"]) for r in ranks)
+            for i in range(warmup, n):
+                # Slowest rank per phase.
+                entry.setdefault("phases", []).append([max(r["phase_seconds"][i][k] for r in ranks) for k in range(3)])
         entry["state"].append([sum(r["model_state"].values()) for r in ranks])
         entry["loads"].append(ranks[0]["loadavg_start"][0])
         entry["threads"].append([r["torch_threads"] for r in ranks])
@@ -61,6 +69,8 @@ def summarise_train(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         entry["median_step"] = statistics.median(entry["steps"])
         entry["tokens_per_s"] = tokens_per_step / entry["median_step"]
         entry["peak_rss_max_per_rank"] = [max(col) for col in zip(*entry["peak_rss"])]
+        entry["setup_rss_max"] = max(max(col) for col in entry["setup_rss"])
+        entry["step1_rss_max"] = max(max(col) for col in entry["step1_rss"])
         entry["state_per_rank"] = [max(col) for col in zip(*entry["state"])]
         entry["limit"] = 16 * entry["num_params"] / settings["devices"]
     return out
@@ -70,13 +80,13 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def train_section(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+def train_section(data: dict[str, Any], title: str) -> tuple[list[str], dict[str, Any]]:
     s = summarise_train(data)
     settings, model = data["settings"], data["model"]
     ddp, anchor = s.get("ddp"), s.get("anchor")
     n_params = next(iter(s.values()))["num_params"]
     lines = [
-        "## Training speed and memory (2 CPU ranks)",
+        f"## {title}",
         "",
         f"GPT n_layer {model['n_layer']}, n_embd {model['n_embd']}, n_head {model['n_head']}, vocabulary "
         f"{model['vocab_size']}, context {model['block_size']}: {n_params:,} parameters, fp32, AdamW. Micro-batch "
@@ -104,9 +114,41 @@ def train_section(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
             f"| {' / '.join(f'{b / MiB:.0f}' for b in entry['peak_rss_max_per_rank'])} "
             f"| {' / '.join(f'{b / MiB:.1f}' for b in entry['state_per_rank'])} "
             f"| {max(entry['state_per_rank']) / entry['limit']:.3f} "
-            f"| {' / '.join(str(t) for t in entry['threads'][0])} "
+            f"| {', '.join('/'.join(str(t) for t in rnd) for rnd in entry['threads'])} "
             f"| {' / '.join(f'{x:.1f}' for x in entry['loads'])} |"
         )
+    if any(entry["setup_rss_max"] for entry in s.values()):
+        lines += [
+            "",
+            "Where the peak RSS is reached (largest over ranks and rounds, MiB): high-water mark at the end of setup "
+            "(model built, sharded, materialised; optimizer created), after the first step, and at the end.",
+            "",
+            "| configuration | after setup | after step 1 | end of fit |",
+            "|---|---|---|---|",
+            *(
+                f"| `{name}` | {e['setup_rss_max'] / MiB:.0f} | {e['step1_rss_max'] / MiB:.0f} "
+                f"| {max(e['peak_rss_max_per_rank']) / MiB:.0f} |"
+                for name, e in s.items()
+            ),
+        ]
+    if any(entry.get("phases") for entry in s.values()):
+        lines += [
+            "",
+            "Phase split of a step (median over timed steps, slowest rank per phase; no barriers inside the step): "
+            "forward = batch start to `on_before_backward`; backward = to `on_after_backward` (includes FSDP's "
+            "all-gathers and reduce-scatters / DDP's all-reduce); rest = optimizer step, LR scheduler, logging "
+            "(one `sync_dist` all-reduce of the loss in every configuration).",
+            "",
+            "| configuration | forward, s | backward, s | rest (optimizer ...), s |",
+            "|---|---|---|---|",
+            *(
+                f"| `{name}` | "
+                + " | ".join(f"{statistics.median(p[k] for p in e['phases']):.3f}" for k in range(3))
+                + " |"
+                for name, e in s.items()
+                if e.get("phases")
+            ),
+        ]
     losses = {name: entry["losses"][-1] for name, entry in s.items()}
     lines += [
         "",
@@ -118,50 +160,69 @@ def train_section(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     return lines, s
 
 
-def targets_section(s: dict[str, Any]) -> list[str]:
-    def speed(name: str) -> float | None:
-        return 1 / s[name]["median_step"] if name in s else None
+def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One row per target, one column per benchmark run (e.g. the full run and the focused rerun)."""
 
-    rows = []
+    def measures(s: dict[str, Any]) -> dict[str, float]:
+        out: dict[str, float] = {}
 
-    def add(label: str, value: float | None, target: float, fmt: str, higher: bool = True) -> None:
-        if value is None:
-            rows.append(f"| {label} | not measured | | |")
-            return
-        met = value >= target if higher else value <= target
-        rows.append(f"| {label} | {fmt.format(value)} | {'>=' if higher else '<='} {fmt.format(target)} | "
-                    f"{'**met**' if met else '**not met**'} |")
+        def speed(name: str) -> float | None:
+            return 1 / s[name]["median_step"] if name in s else None
 
-    ddp, anchor = speed("ddp"), speed("anchor")
-    add("FULL_SHARD throughput / anchor", speed("fs") / anchor if anchor and speed("fs") else None, 1.1, "{:.2f}x")
-    add("FULL_SHARD throughput / DDP", speed("fs") / ddp if ddp and speed("fs") else None, 0.85, "{:.2f}x")
-    add("SHARD_GRAD_OP throughput / DDP", speed("sgo") / ddp if ddp and speed("sgo") else None, 0.95, "{:.2f}x")
-    if "ddp" in s:
-        ddp_rss = max(s["ddp"]["peak_rss_max_per_rank"])
-        for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac"):
+        if speed("fs") and speed("anchor"):
+            out["FULL_SHARD throughput / anchor"] = speed("fs") / speed("anchor")
+        if speed("fs") and speed("ddp"):
+            out["FULL_SHARD throughput / DDP"] = speed("fs") / speed("ddp")
+        if speed("sgo") and speed("ddp"):
+            out["SHARD_GRAD_OP throughput / DDP"] = speed("sgo") / speed("ddp")
+        if "ddp" in s:
+            ddp_rss = max(s["ddp"]["peak_rss_max_per_rank"])
+            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac"):
+                if name in s:
+                    out[f"`{name}` max peak RSS per rank / DDP's"] = max(s[name]["peak_rss_max_per_rank"]) / ddp_rss
+        for name in ("fs", "sgo"):
             if name in s:
-                add(f"`{name}` max peak RSS per rank / DDP's", max(s[name]["peak_rss_max_per_rank"]) / ddp_rss,
-                    1.0, "{:.3f}", higher=False)
-    for name in ("fs", "sgo"):
-        if name in s:
-            add(f"`{name}` model state per rank / (16 B x params / N)",
-                max(s[name]["state_per_rank"]) / s[name]["limit"], 1.05, "{:.4f}", higher=False)
+                out[f"`{name}` model state per rank / (16 B x params / N)"] = (
+                    max(s[name]["state_per_rank"]) / s[name]["limit"]
+                )
+        return out
+
+    goals = {
+        "FULL_SHARD throughput / anchor": (1.1, True, "{:.2f}x"),
+        "FULL_SHARD throughput / DDP": (0.85, True, "{:.2f}x"),
+        "SHARD_GRAD_OP throughput / DDP": (0.95, True, "{:.2f}x"),
+    }
+    measured = [(label, measures(s)) for label, s in runs]
+    keys: list[str] = []
+    for _, m in measured:
+        keys += [k for k in m if k not in keys]
+    rows = []
+    for key in keys:
+        target, higher, fmt = goals.get(key, (1.05 if "model state" in key else 1.0, False, "{:.3f}"))
+        cells = []
+        for _, m in measured:
+            if key not in m:
+                cells.append("-")
+                continue
+            met = m[key] >= target if higher else m[key] < target or ("model state" in key and m[key] <= target)
+            cells.append(f"{fmt.format(m[key])} ({'**met**' if met else '**not met**'})")
+        rows.append(f"| {key} | {'>=' if higher else '<='} {fmt.format(target)} | " + " | ".join(cells) + " |")
     return [
         "## Targets (from the issue)",
         "",
-        "| target | measured | goal | |",
-        "|---|---|---|---|",
+        "| target | goal | " + " | ".join(label for label, _ in measured) + " |",
+        "|---|---|" + "---|" * len(measured),
         *rows,
         "",
-        "(\"below DDP's\" is read strictly: the ratio has to be under 1.000.)",
+        "(\"Peak RSS below DDP's\" is read strictly: the ratio has to be under 1.000.)",
         "",
     ]
 
 
-def changes_section(s: dict[str, Any], data: dict[str, Any]) -> list[str]:
-    if "fs" not in s:
+def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    runs = [r for r in runs if "fs" in r[1]]
+    if not runs:
         return []
-    base = s["fs"]
     lines = [
         "## What each change bought",
         "",
@@ -170,52 +231,94 @@ def changes_section(s: dict[str, Any], data: dict[str, Any]) -> list[str]:
         "baseline `fs`. Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
         "from the two launches of that round.",
         "",
-        "| change | median s/step | gain vs `fs` | gain per round | vs DDP |",
-        "|---|---|---|---|---|",
+        "| run | change | median s/step (`fs`: baseline) | gain vs `fs` | gain per round | vs DDP | vs anchor |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_ac"):
-        if name not in s:
-            continue
-        v = s[name]
-        per_round = [b / x - 1 for b, x in zip(base["round_medians"], v["round_medians"], strict=False)]
-        lines.append(
-            f"| `{name}`: {data['descriptions'][name]} | {v['median_step']:.3f} "
-            f"| {base['median_step'] / v['median_step'] - 1:+.1%} | {', '.join(f'{g:+.1%}' for g in per_round)} "
-            f"| {_ratio(s['ddp']['median_step'] if 'ddp' in s else None, v['median_step'])} |"
-        )
+    for label, s, data in runs:
+        base = s["fs"]
+        for name in ("fs", "fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_ac"):
+            if name not in s:
+                continue
+            v = s[name]
+            per_round = [b / x - 1 for b, x in zip(base["round_medians"], v["round_medians"], strict=False)]
+            lines.append(
+                f"| {label} | `{name}`: {data['descriptions'][name]} | {v['median_step']:.3f} "
+                f"| {base['median_step'] / v['median_step'] - 1:+.1%} | {', '.join(f'{g:+.1%}' for g in per_round)} "
+                f"| {_ratio(s['ddp']['median_step'] if 'ddp' in s else None, v['median_step'])} "
+                f"| {_ratio(s['anchor']['median_step'] if 'anchor' in s else None, v['median_step'])} |"
+            )
     lines.append("")
 
     def gain(name: str) -> str:
-        return f"{base['median_step'] / s[name]['median_step'] - 1:+.0%}" if name in s else "not measured"
+        parts = [
+            f"{s['fs']['median_step'] / s[name]['median_step'] - 1:+.0%} ({label})" for label, s, _ in runs if name in s
+        ]
+        return " and ".join(parts) if parts else "not measured"
+
+    def rss(name: str) -> str:
+        parts = [
+            f"{max(s[name]['peak_rss_max_per_rank']) / MiB:.0f} MiB ({label})" for label, s, _ in runs if name in s
+        ]
+        return " and ".join(parts) if parts else "not measured"
 
     lines += [
         "The changes, as they would go into the strategy (none of them is applied to it by this benchmark):",
         "",
-        f"1. **Thread count on every rank** (`fs_threads`, measured {gain('fs_threads')}). "
-        "`ShardedStrategy._configure_launcher` returns early when `cluster_environment.creates_processes_externally`, "
-        "which is true on the ranks the popen launcher starts (they see `LOCAL_RANK`), so they never run the "
-        "launcher's `_set_num_threads_if_needed` and keep torch's default of all cores: here rank 0 ran 1 thread "
-        "and rank 1 ran 2 on 2 cores (column *torch threads* above). Lightning's `DDPStrategy` always builds the "
-        "`_SubprocessScriptLauncher` for popen (it spawns nothing on such ranks but still sets the threads), so "
-        "under DDP every rank runs cores // ranks threads. Change: in `ShardedStrategy.setup_environment`, before "
-        "`_init_dist_connection`, add "
-        "`_set_num_threads_if_needed(num_processes=self.num_processes)` (from "
-        "`lightning.fabric.utilities.distributed`; a no-op when `OMP_NUM_THREADS` is set, e.g. by torchrun), or "
-        "build the launcher unconditionally for `start_method=\"popen\"` as `DDPStrategy._configure_launcher` does. "
-        "(Lightning's own `ModelParallelStrategy`, the anchor, has the same gap.)",
-        f"2. **Keep the last Block gathered after forward** (`fs_last`, measured {gain('fs_last')}): in "
-        "`parallelize_module`, pass `reshard_after_forward=False` to the last unit's `fully_shard` call "
-        "(torchtitan does the same: backward starts with that block, so resharding it only to gather it again "
-        "costs one all-gather per step; the memory cost is one block's unsharded parameters during the "
-        "forward-to-backward gap). Equivalent after setup: `units[-1].set_reshard_after_forward(False)`.",
-        f"3. **Explicit prefetch** (`fs_prefetch`, measured {gain('fs_prefetch')}): "
+        f"1. **Thread count on every rank** (`fs_threads`: {gain('fs_threads')}; run 2 round 0 alone is the clean "
+        "pair). `ShardedStrategy._configure_launcher` used to return early when "
+        "`cluster_environment.creates_processes_externally`, which is true on the ranks the popen launcher starts "
+        "(they see `LOCAL_RANK`), so they never ran the launcher's `_set_num_threads_if_needed` and kept torch's "
+        "default of all cores: rank 0 ran 1 thread and rank 1 ran 2 on 2 cores. `DDPStrategy` always builds the "
+        "launcher for popen (it spawns nothing on such ranks but still sets the threads). **This change is already "
+        "in the working tree** (an uncommitted edit by someone else, present for the main run): `_configure_launcher` "
+        "now builds the launcher on every rank. Nothing more to do beyond committing it.",
+        f"2. **Keep the last Block gathered after forward** (`fs_last`: {gain('fs_last')}): in "
+        "`parallelize_module`, pass `reshard_after_forward=False` to the last unit's `fully_shard` call, as "
+        "torchtitan does: backward starts with that block, so resharding it after forward only to all-gather it "
+        "again costs one all-gather per step; the memory cost is one block's unsharded parameters between forward "
+        "and backward. Equivalent after setup: `units[-1].set_reshard_after_forward(False)`.",
+        f"3. **Explicit prefetch** (`fs_prefetch`: {gain('fs_prefetch')}): "
         "`units[i].set_modules_to_forward_prefetch([units[i + 1]])` and "
         "`units[i].set_modules_to_backward_prefetch([units[i - 1]])` after sharding. On CPU, FSDP2 has no "
-        "copy/communication streams; an issued-early all-gather can only overlap through gloo's own worker thread, "
+        "copy/communication streams; an all-gather issued early can only overlap through gloo's own worker thread, "
         "which competes with compute for the same two cores.",
+        f"4. **AdamW foreach** (`fs_foreach`: {gain('fs_foreach')}; for DDP `ddp_foreach` vs `ddp` is the same "
+        "change). On CPU torch picks the per-parameter loop; under FSDP2 every elementwise op of it dispatches "
+        "through DTensor. Not a strategy change: it is the user's `configure_optimizers` (`foreach=True`); the "
+        "strategy could only document it.",
+        f"5. **Peak RSS / glibc malloc** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` {rss('fs')}; "
+        f"`ddp_mmap` {rss('ddp_mmap')} vs `ddp` {rss('ddp')}). Not a strategy change either: "
+        "an environment setting (`MALLOC_MMAP_THRESHOLD_`) for the launch.",
         "",
     ]
     return lines
+
+
+MAIN_NOTE = (
+    "The numbers to go by. Run on the working tree as it was at the time (see *Machine*: it includes another "
+    "engineer's uncommitted edit to `ShardedStrategy._configure_launcher` that builds the popen launcher on every "
+    "rank, so every rank now runs cores // ranks torch threads; column *torch threads* per round). "
+    "Earlier runs that "
+    "measured the strategy before that change follow, for the thread-count comparison."
+)
+RUN1_NOTE = (
+    "Run with the committed strategy of that time (rank 1 of `ShardedStrategy` and of the anchor ran 2 torch threads, "
+    "rank 0 one) while other test suites kept the 2-core machine at load 4-8: absolute times are about twice the "
+    "main run's and the per-round spread is large. Command: `python benchmarks/train_speed.py` (all defaults)."
+)
+FOCUS_NOTE = (
+    "The speed ideas against `fs`, `ddp` and `anchor` at lower load. The launcher change (every rank 1 thread) "
+    "appeared in the working tree between round 0 and round 1 (from `fs` in round 1 on, see *torch threads*), so "
+    "round 0 compares `fs` (1/2 threads) with `fs_threads` (1/1) and round 1 does not. Command: "
+    "`python benchmarks/train_speed.py --configs ddp anchor fs fs_threads fs_last fs_prefetch fs_all sgo "
+    "--rounds 2 --output benchmarks/results/train_speed_focus.json`."
+)
+
+MALLOC_NOTE = (
+    "`fs`/`ddp` with and without `MALLOC_MMAP_THRESHOLD_=131072` in the launch environment, alternating, after "
+    "the main run (current tree). Command: `python benchmarks/train_speed.py --configs ddp fs ddp_mmap fs_mmap "
+    "--rounds 2 --output benchmarks/results/train_speed_malloc.json`."
+)
 
 
 # ---------------------------------------------------------------------------------------------------- the rest
@@ -304,6 +407,9 @@ def main() -> None:
     args = parser.parse_args()
     results = Path(args.results)
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
+    focus = _load(results, "train_speed_focus")
+    run1 = _load(results, "train_speed_run1")
+    malloc = _load(results, "train_speed_malloc")
     ckpt, scaling = _load(results, "checkpoint_io"), _load(results, "model_state_scaling")
 
     lines = [
@@ -317,15 +423,26 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"] for d in (train, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (train, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
     ]
-    s = None
-    if train:
-        body, s = train_section(train)
-        lines += targets_section(s) + body + changes_section(s, train)
+    runs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    body: list[str] = []
+    sections = (
+        (train, "main run", "Training speed and memory (2 CPU ranks): main run, current tree", MAIN_NOTE),
+        (run1, "run 1", "Earlier run 1: heavily loaded machine, before the launcher change", RUN1_NOTE),
+        (focus, "run 2", "Earlier run 2 (focused): the launcher change landed during it", FOCUS_NOTE),
+        (malloc, "run 3", "Run 3: glibc mmap threshold (peak RSS)", MALLOC_NOTE),
+    )
+    for data, label, title, note in sections:
+        if data:
+            part, s = train_section(data, title)
+            body += part[:2] + [note, ""] + part[2:]
+            runs.append((label, s, data))
+    if runs:
+        lines += targets_section([(label, s) for label, s, _ in runs]) + body + changes_section(runs)
     if scaling:
         lines += scaling_section(scaling)
     if meta:

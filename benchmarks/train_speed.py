@@ -51,7 +51,15 @@ MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dr
 DEFAULTS = dict(batch_size=2, warmup=2, steps=8, devices=2)
 
 CONFIGS = ["ddp", "anchor", "fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_threads", "fs_prefetch", "fs_last"]
-EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach"]
+EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap"]
+# Process environment per configuration (set for the launch; the popen launcher hands it to every rank).
+# glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; FSDP2 frees and
+# re-allocates unsharded block buffers every step, so later ones land on the heap and fragment it. A fixed
+# threshold keeps large buffers in mmap, which returns them to the OS on free.
+CONFIG_ENV = {
+    "fs_mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    "ddp_mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
 DESCRIPTIONS = {
     "ddp": "Lightning DDPStrategy",
     "anchor": "Lightning ModelParallelStrategy + fully_shard by hand (eager build)",
@@ -68,6 +76,8 @@ DESCRIPTIONS = {
     "fs_all": "FULL_SHARD + threads + explicit prefetch + last Block kept gathered (from outside)",
     "fs_foreach": "FULL_SHARD + AdamW(foreach=True) (from outside: param_groups['foreach'] = True)",
     "ddp_foreach": "DDPStrategy + AdamW(foreach=True) (the same change for the baseline)",
+    "fs_mmap": "FULL_SHARD + MALLOC_MMAP_THRESHOLD_=131072 in the environment (fixed glibc mmap threshold)",
+    "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
 }
 
 
@@ -174,7 +184,7 @@ def _worker(args: argparse.Namespace) -> None:
     L.seed_everything(1234, verbose=False)
     module_cls = GPT
     callbacks: list[Callback] = []
-    if config in ("ddp", "ddp_foreach"):
+    if config in ("ddp", "ddp_foreach", "ddp_mmap"):
         strategy: Any = DDPStrategy()
         if config == "ddp_foreach":
             callbacks.append(OutsideTweaks(prefetch=False, keep_last=False, threads=False, foreach=True))
@@ -263,6 +273,7 @@ def _launch(config: str, args: argparse.Namespace, out: Path) -> list[dict[str, 
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
     env["PYTHONWARNINGS"] = "ignore"
+    env.update(CONFIG_ENV.get(config, {}))
     load_before = list(os.getloadavg())
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
