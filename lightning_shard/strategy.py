@@ -236,8 +236,8 @@ class ShardedStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
+        # As DDP: the popen launcher is built on every rank, also where torchrun or this launcher already created
+        # the process, because its `launch` also sets each rank's torch threads to cores // ranks.
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
