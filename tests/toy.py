@@ -6,6 +6,7 @@ the r-th slice of every global batch, so the mean of the ranks' losses is the on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 IN_FEATURES, WIDTH, N_SAMPLES = 8, 16, 64
 # Trainer settings of every scripted run: our own sampler, nothing written unless a test asks for it.
@@ -95,12 +96,29 @@ def dataset() -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class RankSliceBatchSampler(Sampler[list[int]]):
+    """Rank r of W gets samples [s*B + r*B/W, s*B + (r+1)*B/W) at step s: its slice of the one-process batch.
+
+    The rank is read when iteration starts, not when the loader is built: scripts build their loaders before
+    ``Trainer.fit`` has initialised the process group.
+    """
+
+    def __init__(self, global_batch: int) -> None:
+        self.global_batch = global_batch
+
+    def __len__(self) -> int:
+        return N_SAMPLES // self.global_batch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        per_rank = self.global_batch // world
+        for start in range(0, N_SAMPLES, self.global_batch):
+            yield list(range(start + rank * per_rank, start + (rank + 1) * per_rank))
+
+
 def rank_slice_loader(global_batch: int) -> DataLoader:
-    """Rank r of W gets samples [s*B + r*B/W, s*B + (r+1)*B/W) at step s: its slice of the one-process batch."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    per_rank = global_batch // world
-    indices = [start + rank * per_rank + i for start in range(0, N_SAMPLES, global_batch) for i in range(per_rank)]
-    return DataLoader(dataset(), batch_size=per_rank, sampler=indices)
+    """Each rank's slice of every global batch (see :class:`RankSliceBatchSampler`)."""
+    return DataLoader(dataset(), batch_sampler=RankSliceBatchSampler(global_batch))
 
 
 class GlobalLossRecorder(L.Callback):
