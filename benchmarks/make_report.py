@@ -149,6 +149,27 @@ def train_section(data: dict[str, Any], title: str) -> tuple[list[str], dict[str
                 if e.get("phases")
             ),
         ]
+    if "ddp" in s:
+        rounds = len(s["ddp"]["round_medians"])
+        lines += [
+            "",
+            "Per-round ratios (throughput vs the same round's `ddp` / `anchor` launch, which ran first in the round; load "
+            "drifted within a round too, so later configurations of a round are compared across a few minutes):",
+            "",
+            "| configuration | " + " | ".join(f"round {i}: vs DDP, vs anchor" for i in range(rounds)) + " |",
+            "|---|" + "---|" * rounds,
+        ]
+        for name, e in s.items():
+            cells = []
+            for i in range(rounds):
+                if i >= len(e["round_medians"]):
+                    cells.append("-")
+                    continue
+                vs_anchor = (
+                    f"{s['anchor']['round_medians'][i] / e['round_medians'][i]:.2f}x" if "anchor" in s else "-"
+                )
+                cells.append(f"{s['ddp']['round_medians'][i] / e['round_medians'][i]:.2f}x, {vs_anchor}")
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     losses = {name: entry["losses"][-1] for name, entry in s.items()}
     lines += [
         "",
@@ -231,14 +252,16 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "baseline `fs`. Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
         "from the two launches of that round.",
         "",
-        "| run | change | median s/step (`fs`: baseline) | gain vs `fs` | gain per round | vs DDP | vs anchor |",
+        "| run | change | median s/step (`fs`: baseline) | gain vs `fs` (`ddp_*`: vs `ddp`) | gain per round | vs DDP | vs anchor |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, s, data in runs:
-        base = s["fs"]
-        for name in ("fs", "fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_ac"):
+        for name in ("fs", "fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_mmap",
+                     "fs_ac", "ddp_foreach", "ddp_mmap"):
             if name not in s:
                 continue
+            # ddp_* variants are measured against ddp, everything else against fs.
+            base = s["ddp"] if name.startswith("ddp_") else s["fs"]
             v = s[name]
             per_round = [b / x - 1 for b, x in zip(base["round_medians"], v["round_medians"], strict=False)]
             lines.append(
@@ -317,7 +340,7 @@ FOCUS_NOTE = (
 MALLOC_NOTE = (
     "`fs`/`ddp` with and without `MALLOC_MMAP_THRESHOLD_=131072` in the launch environment, alternating, after "
     "the main run (current tree). Command: `python benchmarks/train_speed.py --configs ddp fs ddp_mmap fs_mmap "
-    "--rounds 2 --output benchmarks/results/train_speed_malloc.json`."
+    "--rounds 2 --warmup 1 --steps 4 --output benchmarks/results/train_speed_malloc.json`."
 )
 
 
