@@ -106,7 +106,11 @@ def _simulate_in_this_process(
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((inputs,))
             with tracker:
-                for _ in range(2):  # the second step holds the optimizer states created by the first
+                for step in range(2):  # the second step holds the optimizer states created by the first
+                    if step:
+                        # Per-module stats are per iteration (the tracker refuses a second call of the root);
+                        # the global peak it keeps is what is read below.
+                        tracker.reset_mod_stats()
                     output = model(inputs)
                     loss = output if output.ndim == 0 else output.float().mean()
                     loss.backward()
