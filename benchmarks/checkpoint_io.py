@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,11 @@ def _worker(args: argparse.Namespace) -> None:
                 for kind in ("sharded", "full"):
                     path = root / f"{kind}-{repeat}.ckpt"
                     strategy.config = dataclasses.replace(original, state_dict_type=kind)
-                    save = self._timed(lambda: trainer.save_checkpoint(path))
+                    save = self._timed(partial(trainer.save_checkpoint, path))
                     size = strategy.broadcast(_size(path) if trainer.is_global_zero else 0)
-                    load = self._timed(lambda: strategy.load_checkpoint(path))
-                    self.records.append(dict(repeat=repeat, kind=kind, bytes=size, save_seconds=save, load_seconds=load))
+                    load = self._timed(partial(strategy.load_checkpoint, path))
+                    record = dict(repeat=repeat, kind=kind, bytes=size, save_seconds=save, load_seconds=load)
+                    self.records.append(record)
                     if kind == "full":
                         full_file = path
                     else:
@@ -83,7 +85,7 @@ def _worker(args: argparse.Namespace) -> None:
                 # raw: one process, the same content
                 raw: dict[str, float] = {}
 
-                def raw_round() -> None:
+                def raw_round(full_file: Path = full_file, repeat: int = repeat, raw: dict = raw) -> None:
                     if not trainer.is_global_zero:
                         return
                     start = time.perf_counter()
@@ -172,8 +174,10 @@ def main() -> None:
             "save_MBps": size / save / 1e6,
             "load_MBps": size / load / 1e6,
         }
-        print(f"{kind:8s} {size / 1e6:8.1f} MB  save {save:6.2f}s ({size / save / 1e6:6.0f} MB/s)  "
-              f"load {load:6.2f}s ({size / load / 1e6:6.0f} MB/s)")
+        print(
+            f"{kind:8s} {size / 1e6:8.1f} MB  save {save:6.2f}s ({size / save / 1e6:6.0f} MB/s)  "
+            f"load {load:6.2f}s ({size / load / 1e6:6.0f} MB/s)"
+        )
     write_json(
         Path(args.output),
         {

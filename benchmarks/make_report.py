@@ -68,10 +68,10 @@ def summarise_train(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for entry in out.values():
         entry["median_step"] = statistics.median(entry["steps"])
         entry["tokens_per_s"] = tokens_per_step / entry["median_step"]
-        entry["peak_rss_max_per_rank"] = [max(col) for col in zip(*entry["peak_rss"])]
+        entry["peak_rss_max_per_rank"] = [max(col) for col in zip(*entry["peak_rss"], strict=True)]
         entry["setup_rss_max"] = max(max(col) for col in entry["setup_rss"])
         entry["step1_rss_max"] = max(max(col) for col in entry["step1_rss"])
-        entry["state_per_rank"] = [max(col) for col in zip(*entry["state"])]
+        entry["state_per_rank"] = [max(col) for col in zip(*entry["state"], strict=True)]
         entry["limit"] = 16 * entry["num_params"] / settings["devices"]
     return out
 
@@ -153,7 +153,8 @@ def train_section(data: dict[str, Any], title: str) -> tuple[list[str], dict[str
         rounds = len(s["ddp"]["round_medians"])
         lines += [
             "",
-            "Per-round ratios (throughput vs the same round's `ddp` / `anchor` launch, which ran first in the round; load "
+            "Per-round ratios (throughput vs the same round's `ddp` / `anchor` launch, which ran first in the round; "
+            "load "
             "drifted within a round too, so later configurations of a round are compared across a few minutes):",
             "",
             "| configuration | " + " | ".join(f"round {i}: vs DDP, vs anchor" for i in range(rounds)) + " |",
@@ -165,9 +166,7 @@ def train_section(data: dict[str, Any], title: str) -> tuple[list[str], dict[str
                 if i >= len(e["round_medians"]):
                     cells.append("-")
                     continue
-                vs_anchor = (
-                    f"{s['anchor']['round_medians'][i] / e['round_medians'][i]:.2f}x" if "anchor" in s else "-"
-                )
+                vs_anchor = f"{s['anchor']['round_medians'][i] / e['round_medians'][i]:.2f}x" if "anchor" in s else "-"
                 cells.append(f"{s['ddp']['round_medians'][i] / e['round_medians'][i]:.2f}x, {vs_anchor}")
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     losses = {name: entry["losses"][-1] for name, entry in s.items()}
@@ -235,7 +234,7 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         "|---|---|" + "---|" * len(measured),
         *rows,
         "",
-        "(\"Peak RSS below DDP's\" is read strictly: the ratio has to be under 1.000.)",
+        '("Peak RSS below DDP\'s" is read strictly: the ratio has to be under 1.000.)',
         "",
     ]
 
@@ -247,17 +246,29 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
     lines = [
         "## What each change bought",
         "",
-        "Each idea applied to `ShardedStrategy(\"FULL_SHARD\")` from the outside (a callback in "
+        'Each idea applied to `ShardedStrategy("FULL_SHARD")` from the outside (a callback in '
         "`benchmarks/train_speed.py`; the strategy is unchanged), measured in the same alternating rounds as the "
         "baseline `fs`. Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
         "from the two launches of that round.",
         "",
-        "| run | change | median s/step (`fs`: baseline) | gain vs `fs` (`ddp_*`: vs `ddp`) | gain per round | vs DDP | vs anchor |",
+        "| run | change | median s/step (`fs`: baseline) | gain vs `fs` (`ddp_*`: vs `ddp`) | gain per round "
+        "| vs DDP | vs anchor |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, s, data in runs:
-        for name in ("fs", "fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_mmap",
-                     "fs_ac", "ddp_foreach", "ddp_mmap"):
+        for name in (
+            "fs",
+            "fs_threads",
+            "fs_prefetch",
+            "fs_last",
+            "fs_both",
+            "fs_all",
+            "fs_foreach",
+            "fs_mmap",
+            "fs_ac",
+            "ddp_foreach",
+            "ddp_mmap",
+        ):
             if name not in s:
                 continue
             # ddp_* variants are measured against ddp, everything else against fs.
@@ -357,9 +368,9 @@ def meta_section(data: dict[str, Any]) -> list[str]:
     return [
         "## Building and wrapping the 13B model on the meta device",
         "",
-        f"`{data['config']}` model arguments ({run['num_params']:,} parameters), built under `torch.device(\"meta\")`, "
+        f'`{data["config"]}` model arguments ({run["num_params"]:,} parameters), built under `torch.device("meta")`, '
         f"then `fully_shard` per Block + root over a world of {data['world_size']} on a fake process group "
-        f"(`FakeStore` + `init_process_group(\"fake\")`), nothing materialised; {run['fsdp_units']} FSDP units. "
+        f'(`FakeStore` + `init_process_group("fake")`), nothing materialised; {run["fsdp_units"]} FSDP units. '
         f"Sharded parameters per rank: {run['param_bytes_per_rank'] / 2**30:.2f} GiB (fp32). Median of "
         f"{len(data['runs']) // 2} repeats.",
         "",
@@ -379,7 +390,9 @@ def meta_section(data: dict[str, Any]) -> list[str]:
 def checkpoint_section(data: dict[str, Any]) -> list[str]:
     m = data["median"]
     labels = {
-        "sharded": "sharded (DCP directory, every rank writes) - `trainer.save_checkpoint` / `strategy.load_checkpoint`",
+        "sharded": (
+            "sharded (DCP directory, every rank writes) - `trainer.save_checkpoint` / `strategy.load_checkpoint`"
+        ),
         "full": "full (one file from rank 0; load: rank 0 reads + broadcast)",
         "raw": "raw `torch.save` / `torch.load` of the full checkpoint's content, one process",
     }
@@ -411,7 +424,7 @@ def scaling_section(data: dict[str, Any]) -> list[str]:
     return [
         "## Model state per rank at 1, 2 and 4 ranks",
         "",
-        f"The training GPT ({rows[0]['num_params']:,} parameters), `ShardedStrategy(\"FULL_SHARD\")`, one step of "
+        f'The training GPT ({rows[0]["num_params"]:,} parameters), `ShardedStrategy("FULL_SHARD")`, one step of '
         "micro-batch 1 per launch; parameters + gradients + AdamW states from the local shards after the step.",
         "",
         f"Machine: {_machine_line(data)}.",

@@ -95,7 +95,9 @@ def main() -> None:
         {
             "benchmark": "meta_build",
             "command": "python benchmarks/meta_build.py " + " ".join(sys.argv[1:]),
-            "config": str(Path(args.config).relative_to(REPO)) if Path(args.config).is_relative_to(REPO) else args.config,
+            "config": str(Path(args.config).relative_to(REPO))
+            if Path(args.config).is_relative_to(REPO)
+            else args.config,
             "model": model_args,
             "world_size": args.world_size,
             "machine_start": machine_start,
