@@ -221,8 +221,6 @@ def test_resumed_training_sees_the_batches_of_the_uninterrupted_run(tmp_path: Pa
         assert resumed == uninterrupted[step:]
 
 
-
-
 # Shortens the tiny config for a test: 30 steps, loss logged every step, a sharded checkpoint every 10 steps.
 _SHORT_RUN = """
 trainer:
