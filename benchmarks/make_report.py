@@ -333,11 +333,12 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
 
 
 MAIN_NOTE = (
-    "The numbers to go by. Run on the working tree as it was at the time (see *Machine*: it includes another "
-    "engineer's uncommitted edit to `ShardedStrategy._configure_launcher` that builds the popen launcher on every "
-    "rank, so every rank now runs cores // ranks torch threads; column *torch threads* per round). "
-    "Earlier runs that "
-    "measured the strategy before that change follow, for the thread-count comparison."
+    "The numbers to go by: the core configurations on a quiet machine (load under 2.1), after the strategy "
+    "started building the popen launcher on every rank (commit f2e3f93), so every rank runs cores // ranks torch "
+    "threads (column *torch threads*). The uncommitted edits listed under *Machine* touch only checkpoint IO and "
+    "plugin validation, not the training step. Command: `python benchmarks/train_speed.py --configs ddp anchor fs "
+    "fs_ac sgo sgo_ac ns ns_ac --rounds 2`. Earlier runs that measured the strategy before the thread change "
+    "follow, for the thread-count comparison."
 )
 RUN1_NOTE = (
     "Run with the committed strategy of that time (rank 1 of `ShardedStrategy` and of the anchor ran 2 torch threads, "

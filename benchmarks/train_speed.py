@@ -22,9 +22,8 @@ Configurations (``CONFIGS``):
   fs_last        fs + the last Block kept gathered after forward (``blocks[-1].set_reshard_after_forward(False)``):
                  backward starts with it, so one all-gather per step is saved.
   fs_threads     fs + ``torch.set_num_threads(cpu_count // devices)`` on every rank (in the callback's ``setup``).
-                 Lightning's launcher does this on the rank that launches; ``ShardedStrategy._configure_launcher``
-                 makes no launcher on ranks it did not start (``creates_processes_externally``), so on those ranks
-                 torch keeps its default of all cores (DDPStrategy always makes one, and every rank sets 1 thread).
+                 Measured the gap that ``ShardedStrategy`` had until it built the popen launcher on every rank as
+                 DDPStrategy does (commit f2e3f93); since then plain ``fs`` sets the same thread count.
   fs_both        fs_prefetch + fs_last (--configs fs_both);  fs_all: fs_threads + fs_prefetch + fs_last.
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
                  under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.

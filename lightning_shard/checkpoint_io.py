@@ -131,11 +131,24 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._async_group is None and dist.is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(payload, checkpoint_id=staging, process_group=self._async_group)
-        if _rank() == 0:
-            # Rank 0's future completes after it has gathered every rank's write results and written the metadata.
-            future.add_done_callback(lambda done: done.exception() is None and _replace(staging, path))
-        self._in_flight = future
+        written = dcp.async_save(payload, checkpoint_id=staging, process_group=self._async_group)
+        # `wait()` waits for `published`, which completes only after the rename: a bare done-callback on
+        # `written` may still be renaming when `written.result()` returns.
+        published: Future = Future()
+
+        def publish(done: Future) -> None:
+            try:
+                done.result()
+                if _rank() == 0:
+                    # Rank 0's save completes after it has gathered every rank's write results and written the
+                    # metadata, so every shard is on disk.
+                    _replace(staging, path)
+                published.set_result(None)
+            except BaseException as error:  # handed to whoever waits
+                published.set_exception(error)
+
+        written.add_done_callback(publish)
+        self._in_flight = published
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and published; re-raise its error."""

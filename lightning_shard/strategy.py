@@ -202,8 +202,9 @@ class ShardedStrategy(ParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> ShardedPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, ShardedPrecision) else ShardedPrecision(reduce_dtype=self._reduce_dtype)
+        if self._precision_plugin is None:
+            self._precision_plugin = ShardedPrecision(reduce_dtype=self._reduce_dtype)
+        return self._precision_plugin  # type: ignore[return-value]  (the setter admits only ShardedPrecision)
 
     @precision_plugin.setter
     @override
@@ -219,16 +220,16 @@ class ShardedStrategy(ParallelStrategy):
     def checkpoint_io(self) -> ShardedCheckpointIO:
         if self._checkpoint_io is None:
             self._checkpoint_io = ShardedCheckpointIO()
-        if not isinstance(self._checkpoint_io, ShardedCheckpointIO):
-            raise TypeError(
-                f"`checkpoint_io={self._checkpoint_io!r}`: the sharded strategy writes through `ShardedCheckpointIO` "
-                "(torch.distributed.checkpoint); pass an instance of it or a subclass."
-            )
-        return self._checkpoint_io
+        return self._checkpoint_io  # type: ignore[return-value]  (the setter admits only ShardedCheckpointIO)
 
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None and not isinstance(io, ShardedCheckpointIO):
+            raise TypeError(
+                f"`checkpoint_io={io!r}`: the sharded strategy writes through `ShardedCheckpointIO` "
+                "(torch.distributed.checkpoint); pass an instance of it or a subclass."
+            )
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------ launch and process group

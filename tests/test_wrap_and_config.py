@@ -166,6 +166,13 @@ def test_generic_precision_plugin_is_converted() -> None:
     assert low.precision_plugin.mp_policy.reduce_dtype is torch.bfloat16
 
 
+def test_foreign_checkpoint_io_is_refused_when_the_trainer_is_built() -> None:
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    with pytest.raises(TypeError, match="ShardedCheckpointIO"):
+        L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2, plugins=[TorchCheckpointIO()])
+
+
 def test_unknown_strategy_name_is_named() -> None:
     with pytest.raises(ValueError, match="fully_shardd"):
         L.Trainer(strategy="fully_shardd", accelerator="cpu", devices=2)
