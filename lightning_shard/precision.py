@@ -89,11 +89,6 @@ class ShardedPrecision(Precision):
         return self._compute_dtype if self.precision.endswith("-true") else torch.float32
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype parameters have inside forward and backward."""
-        return self._compute_dtype
-
-    @property
     def mp_policy(self) -> MixedPrecisionPolicy:
         """The ``MixedPrecisionPolicy`` handed to every ``fully_shard`` call."""
         if not self.precision.endswith("-mixed"):
