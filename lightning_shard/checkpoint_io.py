@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -128,7 +129,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path) -> None:
         self.wait()
-        if self._async_group is None and dist.is_initialized():
+        if self._async_group is None and _distributed_is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
         written = dcp.async_save(payload, checkpoint_id=staging, process_group=self._async_group)
@@ -306,20 +307,20 @@ def _replace(staging: Path, path: Path) -> None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed_is_initialized() else 0
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _distributed_is_initialized() else 1
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed_is_initialized():
         dist.barrier()
 
 
 def _broadcast_object(obj: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed_is_initialized():
         return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=0)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 _METADATA = ".metadata"
@@ -226,7 +227,7 @@ def agree(error: BaseException | None) -> None:
     waiting in a collective of the load that the others abandoned.
     """
     message = None if error is None else f"{error}"
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _distributed_is_initialized() and dist.get_world_size() > 1:
         messages: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(messages, message)
         found = [(rank, text) for rank, text in enumerate(messages) if text is not None]

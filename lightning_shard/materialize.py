@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -103,7 +104,7 @@ def _full_size_parameters(module: nn.Module, initialized: set[int]) -> Iterator[
 
 def _use_rank_zero_rng() -> None:
     """Give every rank rank 0's generator state, so they all draw the same full-size tensors."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _distributed_is_initialized() or dist.get_world_size() == 1:
         return
     states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None]
     dist.broadcast_object_list(states, src=0)

@@ -8,6 +8,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -102,7 +103,7 @@ def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) 
 
 
 def _broadcast_from_rank_zero(model: nn.Module, device: torch.device) -> None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not _distributed_is_initialized() or dist.get_world_size() == 1:
         return
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:

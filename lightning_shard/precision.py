@@ -41,7 +41,7 @@ _COMPUTE_DTYPE = {
     "16-true": torch.float16,
 }
 # Lightning spells some precisions in short forms; the accelerator connector normalises most of them already.
-_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 
 class ShardedPrecision(Precision):
@@ -64,7 +64,7 @@ class ShardedPrecision(Precision):
         reduce_dtype: torch.dtype | None = None,
         scaler: Any | None = None,
     ) -> None:
-        precision = _ALIASES.get(str(precision), precision)  # type: ignore[assignment]
+        precision = PRECISION_ALIASES.get(str(precision), precision)  # type: ignore[assignment]
         supported = get_args(ShardedPrecisionInput)
         if precision not in supported:
             raise ValueError(

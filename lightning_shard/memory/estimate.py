@@ -43,6 +43,9 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_shard.config import ShardingConfig
+from lightning_shard.precision import PRECISION_ALIASES
+
 GIB = 2**30
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -55,8 +58,6 @@ _PRECISION_BYTES = {
     "bf16-true": (2, 2, 2, 2),
     "16-true": (2, 2, 2, 2),
 }
-# Lightning's short spellings of the same precisions.
-_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 OPTIMIZER_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -173,20 +174,28 @@ def activation_bytes(
 
 
 def _normalise_precision(precision: str | int) -> str:
-    name = _PRECISION_ALIASES.get(str(precision), str(precision))
+    name = PRECISION_ALIASES.get(str(precision), str(precision))
     if name not in _PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, got {precision!r}")
     return name
 
 
 def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int) -> int:
-    if sharding_strategy == "NO_SHARD":
-        return 1
-    if sharding_strategy == "HYBRID_SHARD":
-        if world_size % num_nodes:
-            raise ValueError(f"HYBRID_SHARD needs world_size ({world_size}) divisible by num_nodes ({num_nodes})")
-        return world_size // num_nodes
-    return world_size
+    if sharding_strategy == "HYBRID_SHARD" and world_size % num_nodes:
+        raise ValueError(f"HYBRID_SHARD needs world_size ({world_size}) divisible by num_nodes ({num_nodes})")
+    # The ranks a parameter is sharded over: the last dimension of the strategy's own mesh.
+    return mesh_shape(sharding_strategy, world_size, num_nodes)[-1]
+
+
+def mesh_shape(sharding_strategy: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
+    """The strategy's data-parallel mesh for ``world_size`` ranks on ``num_nodes`` nodes (one node = one shard group).
+
+    Example:
+        >>> mesh_shape("HYBRID_SHARD", world_size=8, num_nodes=2)
+        (2, 4)
+    """
+    config = ShardingConfig(sharding_strategy=sharding_strategy)  # type: ignore[arg-type]
+    return config.mesh_shape(world_size, devices_per_node=world_size // num_nodes)
 
 
 def estimate_memory(

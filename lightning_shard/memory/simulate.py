@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.memory.estimate import MemoryBreakdown, MemoryEstimate, count_parameters, wrap_units
+from lightning_shard.memory.estimate import MemoryBreakdown, MemoryEstimate, count_parameters, mesh_shape, wrap_units
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field.
 _CATEGORIES = {
@@ -48,17 +48,6 @@ def simulate_memory(
     return MemoryEstimate(n_params=n_params, device=MemoryBreakdown(**peak), cpu=MemoryBreakdown(), config=config)
 
 
-def _mesh_shape(config: dict[str, Any]) -> tuple[int, ...]:
-    world_size, nodes = config["world_size"], config["num_nodes"]
-    # A 2-D (replicate, shard) mesh makes fully_shard replicate across the first dimension (HSDP).
-    return {
-        "FULL_SHARD": (world_size,),
-        "SHARD_GRAD_OP": (world_size,),
-        "HYBRID_SHARD": (nodes, world_size // nodes),
-        "NO_SHARD": (world_size, 1),
-    }[config["sharding_strategy"]]
-
-
 def _make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name in ("adam", "adamw"):
         return torch.optim.AdamW(params)
@@ -78,7 +67,8 @@ def _simulate_in_this_process(
     dist.init_process_group("fake", rank=0, world_size=config["world_size"], store=FakeStore())
     try:
         # The mesh is built from real rank lists; under FakeTensorMode that would be a data-dependent op.
-        shape = _mesh_shape(config)
+        # A 2-D (replicate, shard) mesh makes fully_shard replicate across the first dimension (HSDP).
+        shape = mesh_shape(config["sharding_strategy"], config["world_size"], config["num_nodes"])
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
         precision, _, kind = config["precision"].partition("-")
         low = _LOW_PRECISION.get(precision)
