@@ -25,6 +25,8 @@ Configurations (``CONFIGS``):
                  Measured the gap that ``ShardedStrategy`` had until it built the popen launcher on every rank as
                  DDPStrategy does (commit f2e3f93); since then plain ``fs`` sets the same thread count.
   fs_both        fs_prefetch + fs_last (--configs fs_both);  fs_all: fs_threads + fs_prefetch + fs_last.
+  fs_fsdpcomms   fs with FSDP2's own ``all_gather_single`` / ``reduce_scatter_single`` put back in place of
+                 ``lightning_shard.gloo_comms`` (what the strategy did before it installed them).
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
                  under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.
 The last three apply a change from the outside (a callback after the strategy's setup); nothing in the strategy
@@ -50,7 +52,7 @@ MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dr
 DEFAULTS = dict(batch_size=2, warmup=2, steps=8, devices=2)
 
 CONFIGS = ["ddp", "anchor", "fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_threads", "fs_prefetch", "fs_last"]
-EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap"]
+EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap", "fs_fsdpcomms"]
 # Process environment per configuration (set for the launch; the popen launcher hands it to every rank).
 # glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; FSDP2 frees and
 # re-allocates unsharded block buffers every step, so later ones land on the heap and fragment it. A fixed
@@ -77,6 +79,7 @@ DESCRIPTIONS = {
     "ddp_foreach": "DDPStrategy + AdamW(foreach=True) (the same change for the baseline)",
     "fs_mmap": "FULL_SHARD + MALLOC_MMAP_THRESHOLD_=131072 in the environment (fixed glibc mmap threshold)",
     "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
+    "fs_fsdpcomms": "FULL_SHARD with FSDP2's default gloo collectives put back (from outside), i.e. before gloo_comms",
 }
 
 
@@ -155,8 +158,11 @@ def _worker(args: argparse.Namespace) -> None:
     class OutsideTweaks(Callback):
         """Speed ideas applied to the sharded model after the strategy's setup (nothing in the strategy is edited)."""
 
-        def __init__(self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False) -> None:
+        def __init__(
+            self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False, fsdp_comms: bool = False
+        ) -> None:
             self.prefetch, self.keep_last, self.threads, self.foreach = prefetch, keep_last, threads, foreach
+            self.fsdp_comms = fsdp_comms
 
         def setup(self, trainer, pl_module, stage) -> None:
             if self.threads:
@@ -174,6 +180,15 @@ def _worker(args: argparse.Namespace) -> None:
                         block.set_modules_to_backward_prefetch([blocks[i - 1]])
             if self.keep_last and blocks:
                 blocks[-1].set_reshard_after_forward(False)
+            if self.fsdp_comms:
+                from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+                    DefaultAllGather,
+                    DefaultReduceScatter,
+                )
+
+                for module in [model, *blocks]:
+                    module.set_custom_all_gather(DefaultAllGather())
+                    module.set_custom_reduce_scatter(DefaultReduceScatter())
             if self.foreach:
                 for optimizer in trainer.optimizers:
                     for group in optimizer.param_groups:
@@ -198,13 +213,14 @@ def _worker(args: argparse.Namespace) -> None:
             auto_wrap_policy=["Block"],
             activation_checkpointing=["Block"] if config.endswith("_ac") else None,
         )
-        if config in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach"):
+        if config in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms"):
             callbacks.append(
                 OutsideTweaks(
                     prefetch=config in ("fs_prefetch", "fs_both", "fs_all"),
                     keep_last=config in ("fs_last", "fs_both", "fs_all"),
                     threads=config in ("fs_threads", "fs_all"),
                     foreach=config == "fs_foreach",
+                    fsdp_comms=config == "fs_fsdpcomms",
                 )
             )
     timer = StepTimer()

@@ -18,6 +18,7 @@ from toy import Block, ToyModel
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
 from lightning_shard.auto_sharding import choose_sharding
+from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
 from lightning_shard.materialize import materialize_sharded_module
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.wrap import candidate_block_classes, select_modules
@@ -65,6 +66,16 @@ BLOCKS = ["", "blocks.0", "blocks.1", "blocks.2"]
 )
 def test_wrap_policy_forms_select_units(mesh, policy, expected) -> None:
     assert unit_names(ToyModel(), mesh, auto_wrap_policy=policy) == expected
+
+
+def test_a_cpu_mesh_gets_the_gloo_collectives_on_every_unit(mesh) -> None:
+    model = ToyModel()
+    unit_names(model, mesh, auto_wrap_policy={Block})
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(groups) == 4
+    assert {type(g._all_gather_comm) for g in groups} == {GlooAllGather}
+    assert {type(g._reduce_scatter_comm) for g in groups} == {GlooReduceScatter}
+    assert len({id(g._all_gather_comm) for g in groups}) == 1  # one pool of buffers shared by all units
 
 
 def test_activation_checkpointing_wraps_before_sharding(mesh) -> None:

@@ -1,0 +1,118 @@
+"""FSDP2 collectives for CPU (gloo) meshes, installed through FSDP2's own comm hooks.
+
+FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``. On gloo both are slower than collectives that move
+the same bytes: measured on 2 ranks of this project's 2-core CI machine for one GPT block (3.15M fp32 parameters),
+the all-gather took 8.5 ms against 6.6 ms for gloo's list all-gather into views of the same output, and the
+reduce-scatter took 16.5 ms against 9.9 ms for an all-reduce of the input followed by a copy of this rank's chunk
+(gloo's reduce-scatter is not a ring). The replacements keep FSDP2's buffers, ops and ordering; only the gloo call
+differs, and the results are the same bytes (tests/test_gloo_comms.py).
+
+NCCL meshes keep FSDP2's defaults: there both collectives are native.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+class ReusedBuffers:
+    """FSDP2's per-call comm buffers, handed out again once nothing but this pool refers to their storage.
+
+    FSDP2 allocates a fresh all-gather output and reduce-scatter input for every unit on every step. On CPU each
+    fresh buffer is new pages from the OS (glibc mmaps blocks this large), and touching them costs about as much as
+    the copy itself (measured: a 12.6 MB copy into a fresh buffer 4.1 ms, into a reused one 1.4 ms); the freed
+    blocks also leave the process heap fragmented, so peak RSS creeps up from step to step. The ``Comm`` interface
+    allows a comm to reuse persistent buffers. A buffer is free when no tensor but the pool's own refers to its
+    storage (FSDP2's views, the gloo work and a gradient made from a reduce-scatter output all count), so reuse
+    never aliases live data. At most ``capacity`` buffers are kept; when full, the least recently used free one
+    makes room, and if none is free the request gets a plain, unpooled tensor.
+
+    Example:
+        >>> pool = ReusedBuffers(capacity=2)
+        >>> a = pool.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))
+        >>> b = pool.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))  # ``a`` is alive: a new one
+        >>> del a
+        >>> c = pool.allocate((4,), dtype=torch.float32, device=torch.device("cpu"))  # reuses ``a``'s storage
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, storage users when nothing else holds it)
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(int(s) for s in size)
+        for i, (buffer, idle_users) in enumerate(self._buffers):
+            if buffer.dtype == dtype and buffer.numel() == numel and _storage_users(buffer) == idle_users:
+                self._buffers.append(self._buffers.pop(i))  # most recently used last
+                return buffer.view(*size)
+        if len(self._buffers) >= self.capacity:
+            free = [i for i, (buffer, idle) in enumerate(self._buffers) if _storage_users(buffer) == idle]
+            if not free:
+                return torch.empty(*size, dtype=dtype, device=device)
+            del self._buffers[free[0]]
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self._buffers.append((buffer, _storage_users(buffer)))
+        return buffer.view(*size)
+
+
+class GlooAllGather(ReusedBuffers, AllGather):
+    """All-gather into ``output_tensor`` with gloo's list all-gather over views of its equal chunks."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        chunks = list(output_tensor.chunk(group.size()))
+        return dist.all_gather(chunks, input_tensor, group=group, async_op=async_op)
+
+
+class GlooReduceScatter(ReusedBuffers, ReduceScatter):
+    """Reduce-scatter as an in-place all-reduce of ``input_tensor`` followed by a copy of this rank's chunk.
+
+    FSDP2 hands over a scratch input that it only keeps alive afterwards, so reducing it in place is safe.
+    """
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if async_op:
+            # FSDP2 reduces synchronously; an asynchronous caller would need the copy chained behind the work.
+            raise NotImplementedError("GlooReduceScatter runs synchronously only (FSDP2 calls it with async_op=False)")
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
+
+
+def install_gloo_collectives(model: nn.Module) -> int:
+    """Give every FSDP module in ``model`` the gloo collectives above; return how many modules got them.
+
+    Example:
+        >>> fully_shard(block, mesh=cpu_mesh); fully_shard(model, mesh=cpu_mesh)  # doctest: +SKIP
+        >>> install_gloo_collectives(model)  # doctest: +SKIP
+        2
+    """
+    all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+    return len(modules)
