@@ -197,7 +197,7 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             out["SHARD_GRAD_OP throughput / DDP"] = speed("sgo") / speed("ddp")
         if "ddp" in s:
             ddp_rss = max(s["ddp"]["peak_rss_max_per_rank"])
-            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_mmap"):
+            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_fsdpcomms", "fs_mmap"):
                 if name in s:
                     out[f"`{name}` max peak RSS per rank / DDP's"] = max(s[name]["peak_rss_max_per_rank"]) / ddp_rss
         for name in ("fs", "sgo"):
@@ -247,8 +247,9 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "## What each change bought",
         "",
         'Each idea applied to `ShardedStrategy("FULL_SHARD")` from the outside (a callback in '
-        "`benchmarks/train_speed.py`; the strategy is unchanged), measured in the same alternating rounds as the "
-        "baseline `fs`. Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
+        "`benchmarks/train_speed.py`), measured in the same alternating rounds as the baseline `fs`; `fs_fsdpcomms` "
+        "takes the strategy's gloo collectives out again, so its row reads the other way round. "
+        "Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
         "from the two launches of that round.",
         "",
         "| run | change | median s/step (`fs`: baseline) | gain vs `fs` (`ddp_*`: vs `ddp`) | gain per round "
@@ -258,6 +259,7 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
     for label, s, data in runs:
         for name in (
             "fs",
+            "fs_fsdpcomms",
             "fs_threads",
             "fs_prefetch",
             "fs_last",
@@ -271,12 +273,16 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         ):
             if name not in s:
                 continue
-            # ddp_* variants are measured against ddp, everything else against fs.
-            base = s["ddp"] if name.startswith("ddp_") else s["fs"]
-            v = s[name]
+            # ddp_* variants are measured against ddp, everything else against fs; gloo_comms is in the strategy,
+            # so its gain is fs against fs_fsdpcomms (FSDP2's defaults put back).
+            base, v = (s["ddp"] if name.startswith("ddp_") else s["fs"]), s[name]
+            description = f"`{name}`: {data['descriptions'][name]}"
+            if name == "fs_fsdpcomms":
+                base, v = v, s["fs"]
+                description = "`fs` against `fs_fsdpcomms`: the gloo collectives + reused buffers (in the strategy)"
             per_round = [b / x - 1 for b, x in zip(base["round_medians"], v["round_medians"], strict=False)]
             lines.append(
-                f"| {label} | `{name}`: {data['descriptions'][name]} | {v['median_step']:.3f} "
+                f"| {label} | {description} | {v['median_step']:.3f} "
                 f"| {base['median_step'] / v['median_step'] - 1:+.1%} | {', '.join(f'{g:+.1%}' for g in per_round)} "
                 f"| {_ratio(s['ddp']['median_step'] if 'ddp' in s else None, v['median_step'])} "
                 f"| {_ratio(s['anchor']['median_step'] if 'anchor' in s else None, v['median_step'])} |"
@@ -295,50 +301,77 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         ]
         return " and ".join(parts) if parts else "not measured"
 
+    def gloo_gain() -> str:
+        parts = [
+            f"{s['fs_fsdpcomms']['median_step'] / s['fs']['median_step'] - 1:+.0%} ({label}; per round "
+            + ", ".join(
+                f"{b / x - 1:+.0%}"
+                for b, x in zip(s["fs_fsdpcomms"]["round_medians"], s["fs"]["round_medians"], strict=False)
+            )
+            + ")"
+            for label, s, _ in runs
+            if "fs_fsdpcomms" in s
+        ]
+        return " and ".join(parts) if parts else "not measured"
+
     lines += [
-        "The changes, as they would go into the strategy (none of them is applied to it by this benchmark):",
+        "The changes, and where they stand:",
         "",
-        f"1. **Thread count on every rank** (`fs_threads`: {gain('fs_threads')}; run 2 round 0 alone is the clean "
-        "pair). `ShardedStrategy._configure_launcher` used to return early when "
-        "`cluster_environment.creates_processes_externally`, which is true on the ranks the popen launcher starts "
-        "(they see `LOCAL_RANK`), so they never ran the launcher's `_set_num_threads_if_needed` and kept torch's "
-        "default of all cores: rank 0 ran 1 thread and rank 1 ran 2 on 2 cores. `DDPStrategy` always builds the "
-        "launcher for popen (it spawns nothing on such ranks but still sets the threads). **This change is already "
-        "in the working tree** (an uncommitted edit by someone else, present for the main run): `_configure_launcher` "
-        "now builds the launcher on every rank. Nothing more to do beyond committing it.",
-        f"2. **Keep the last Block gathered after forward** (`fs_last`: {gain('fs_last')}): in "
-        "`parallelize_module`, pass `reshard_after_forward=False` to the last unit's `fully_shard` call, as "
-        "torchtitan does: backward starts with that block, so resharding it after forward only to all-gather it "
-        "again costs one all-gather per step; the memory cost is one block's unsharded parameters between forward "
-        "and backward. Equivalent after setup: `units[-1].set_reshard_after_forward(False)`.",
-        f"3. **Explicit prefetch** (`fs_prefetch`: {gain('fs_prefetch')}): "
+        f"1. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: {gloo_gain()}; "
+        f"peak RSS `fs` {rss('fs')} against `fs_fsdpcomms` {rss('fs_fsdpcomms')} and `ddp` {rss('ddp')}). "
+        "Found by profiling (torch.profiler, a plain FSDP2 loop on 2 gloo ranks) and microbenchmarks of one block's "
+        "buffers (3.15M fp32): gloo's `all_gather_single` 8.5 ms against 6.6 ms for its list all-gather into views "
+        "of the same output; `reduce_scatter_single` 16.5 ms against 9.9 ms for an all-reduce plus a copy of this "
+        "rank's chunk; a 12.6 MB copy into a fresh buffer 4.1 ms against 1.4 ms into a reused one (new pages from "
+        "the OS on this VM). glibc's allocator statistics showed where the RSS excess was: FULL_SHARD held less live "
+        "heap than DDP (239 vs 430 MiB after the optimizer step) but kept 411 MiB of freed blocks. "
+        "`lightning_shard/gloo_comms.py` installs both collectives through FSDP2's `set_custom_all_gather` / "
+        "`set_custom_reduce_scatter` on CPU meshes, with a pool that hands a comm buffer out again once nothing "
+        "refers to its storage (at most 4 buffers per collective). Results are bit-identical to FSDP2's defaults "
+        "(`tests/test_gloo_comms.py`). A fixed glibc mmap threshold (item 6) lowered RSS too, but slowed every step.",
+        f"2. **Thread count on every rank - in the strategy since commit f2e3f93** (`fs_threads`: "
+        f"{gain('fs_threads')}; run 2 round 0 alone is the clean pair). `ShardedStrategy._configure_launcher` used to "
+        "return early on the ranks the popen launcher starts, so they never ran the launcher's "
+        "`_set_num_threads_if_needed` and kept torch's default of all cores (rank 0 ran 1 thread, rank 1 ran 2 on 2 "
+        "cores). It now builds the launcher on every rank, as `DDPStrategy` does.",
+        f"3. **Keep the last Block gathered after forward - not adopted** (`fs_last`: {gain('fs_last')}): "
+        "`units[-1].set_reshard_after_forward(False)` saves one all-gather per step at the cost of one block's "
+        "unsharded parameters between forward and backward. No gain beyond noise here.",
+        f"4. **Explicit prefetch - not adopted** (`fs_prefetch`: {gain('fs_prefetch')}): "
         "`units[i].set_modules_to_forward_prefetch([units[i + 1]])` and "
-        "`units[i].set_modules_to_backward_prefetch([units[i - 1]])` after sharding. On CPU, FSDP2 has no "
-        "copy/communication streams; an all-gather issued early can only overlap through gloo's own worker thread, "
-        "which competes with compute for the same two cores.",
-        f"4. **AdamW foreach** (`fs_foreach`: {gain('fs_foreach')}; for DDP `ddp_foreach` vs `ddp` is the same "
-        "change). On CPU torch picks the per-parameter loop; under FSDP2 every elementwise op of it dispatches "
-        "through DTensor. Not a strategy change: it is the user's `configure_optimizers` (`foreach=True`); the "
-        "strategy could only document it.",
-        f"5. **Peak RSS / glibc malloc** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` {rss('fs')}; "
-        f"`ddp_mmap` {rss('ddp_mmap')} vs `ddp` {rss('ddp')}; step times in run 3's table). The RSS growth during "
-        "training is glibc keeping freed all-gather / reduce-scatter buffers on its heap. A fixed mmap threshold "
-        "returns them to the OS and brings FULL_SHARD's peak well below DDP's, at a speed cost (page faults and "
-        "zeroing every step). It is not a change to the code path: at most the popen launcher could set "
-        "`MALLOC_MMAP_THRESHOLD_` for its children as an opt-in memory-saving switch, or the README could document "
-        "it. Recommended only as a documented option, not as a default.",
+        "`units[i].set_modules_to_backward_prefetch([units[i - 1]])`. On CPU, FSDP2 has no copy/communication "
+        "streams; an early all-gather can only overlap through gloo's worker thread, which competes with compute "
+        "for the same two cores. Both are GPU-stream optimisations that this machine cannot judge.",
+        f"5. **AdamW foreach - the user's choice** (`fs_foreach`: {gain('fs_foreach')}; `ddp_foreach` vs `ddp` is "
+        "the same change for DDP). On CPU torch picks the per-parameter loop, and under FSDP2 every elementwise op of "
+        "it dispatches through DTensor. It is set in the user's `configure_optimizers` (`foreach=True`).",
+        f"6. **Fixed glibc mmap threshold - not adopted** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` "
+        f"{rss('fs')}; `ddp_mmap` {rss('ddp_mmap')} vs `ddp` {rss('ddp')}; step times in run 3's table). "
+        "`MALLOC_MMAP_THRESHOLD_=131072` returns freed buffers to the OS, but every step then maps and zero-fills them "
+        "again: +13% to +81% step time. Item 1 reaches the memory target without that cost.",
         "",
     ]
     return lines
 
 
 MAIN_NOTE = (
-    "The numbers to go by: the core configurations on a quiet machine (load under 2.1), after the strategy "
-    "started building the popen launcher on every rank (commit f2e3f93), so every rank runs cores // ranks torch "
-    "threads (column *torch threads*). The uncommitted edits listed under *Machine* touch only checkpoint IO and "
-    "plugin validation, not the training step. Command: `python benchmarks/train_speed.py --configs ddp anchor fs "
-    "fs_ac sgo sgo_ac ns ns_ac --rounds 2`. Earlier runs that measured the strategy before the thread change "
-    "follow, for the thread-count comparison."
+    "The numbers to go by: the current strategy, which on CPU meshes installs `lightning_shard.gloo_comms` (gloo "
+    "list all-gather, all-reduce + copy in place of reduce-scatter, reused comm buffers). `fs_fsdpcomms` is the "
+    "same FULL_SHARD run with FSDP2's default collectives put back, in the same rounds, so `fs` against it is what "
+    "the change bought. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_fsdpcomms fs_ac sgo "
+    "sgo_ac ns ns_ac --rounds 2`."
+)
+CHECK_NOTE = (
+    "A second run of the current strategy with 3 rounds, for the spread of the speed ratios, and explicit forward "
+    "prefetch (then applied from outside; now `ShardedStrategy(forward_prefetch=True)`). It ran from an exported "
+    "copy of commit 9c30d1d so that edits to the working tree could not change it. Command: `python "
+    "benchmarks/train_speed.py --configs ddp anchor fs fs_prefetch sgo --rounds 3 --output "
+    "benchmarks/results/train_speed_check.json`."
+)
+BEFORE_GLOO_NOTE = (
+    "The previous main run, before `gloo_comms` (FSDP2's default collectives, fresh comm buffers every step), on a "
+    "quieter machine (load under 2.1). Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_ac sgo "
+    "sgo_ac ns ns_ac --rounds 2`."
 )
 RUN1_NOTE = (
     "Run with the committed strategy of that time (rank 1 of `ShardedStrategy` and of the anchor ran 2 torch threads, "
@@ -448,6 +481,8 @@ def main() -> None:
     args = parser.parse_args()
     results = Path(args.results)
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
+    before_gloo = _load(results, "train_speed_before_gloo")
+    check = _load(results, "train_speed_check")
     focus = _load(results, "train_speed_focus")
     run1 = _load(results, "train_speed_run1")
     malloc = _load(results, "train_speed_malloc")
@@ -464,7 +499,7 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (train, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (train, check, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -473,6 +508,8 @@ def main() -> None:
     body: list[str] = []
     sections = (
         (train, "main run", "Training speed and memory (2 CPU ranks): main run, current tree", MAIN_NOTE),
+        (check, "check run", "Check run: the current strategy, 3 rounds", CHECK_NOTE),
+        (before_gloo, "before gloo_comms", "Previous main run: before the gloo collectives", BEFORE_GLOO_NOTE),
         (run1, "run 1", "Earlier run 1: heavily loaded machine, before the launcher change", RUN1_NOTE),
         (focus, "run 2", "Earlier run 2 (focused): the launcher change landed during it", FOCUS_NOTE),
         (malloc, "run 3", "Run 3: glibc mmap threshold (peak RSS)", MALLOC_NOTE),

@@ -17,14 +17,15 @@ Configurations (``CONFIGS``):
                  ``configure_model`` and ``fully_shard`` applied by hand per Block and to the root (what a user writes).
   fs, fs_ac      ``ShardedStrategy("FULL_SHARD")`` without / with ``activation_checkpointing=["Block"]``.
   sgo, sgo_ac    ``SHARD_GRAD_OP``;  ns, ns_ac: ``NO_SHARD``.
-  fs_prefetch    fs + explicit FSDP2 prefetch: ``block[i].set_modules_to_forward_prefetch([block[i+1]])`` and
-                 ``block[i].set_modules_to_backward_prefetch([block[i-1]])`` (applied in ``on_fit_start``).
+  fs_prefetch    fs + ``ShardedStrategy(forward_prefetch=True)``
+                 (``unit[i].set_modules_to_forward_prefetch([unit[i+1]])``). Runs 1, 2 and the check run
+                 applied it from outside, with explicit backward prefetch as well.
   fs_last        fs + the last Block kept gathered after forward (``blocks[-1].set_reshard_after_forward(False)``):
                  backward starts with it, so one all-gather per step is saved.
   fs_threads     fs + ``torch.set_num_threads(cpu_count // devices)`` on every rank (in the callback's ``setup``).
                  Measured the gap that ``ShardedStrategy`` had until it built the popen launcher on every rank as
                  DDPStrategy does (commit f2e3f93); since then plain ``fs`` sets the same thread count.
-  fs_both        fs_prefetch + fs_last (--configs fs_both);  fs_all: fs_threads + fs_prefetch + fs_last.
+  fs_both        explicit forward + backward prefetch (from outside) + fs_last;  fs_all: fs_threads + fs_both.
   fs_fsdpcomms   fs with FSDP2's own ``all_gather_single`` / ``reduce_scatter_single`` put back in place of
                  ``lightning_shard.gloo_comms`` (what the strategy did before it installed them).
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
@@ -70,7 +71,7 @@ DESCRIPTIONS = {
     "sgo_ac": "ShardedStrategy SHARD_GRAD_OP + activation checkpointing",
     "ns": "ShardedStrategy NO_SHARD",
     "ns_ac": "ShardedStrategy NO_SHARD + activation checkpointing",
-    "fs_prefetch": "FULL_SHARD + explicit forward/backward prefetch (from outside)",
+    "fs_prefetch": "FULL_SHARD + ShardedStrategy(forward_prefetch=True)",
     "fs_last": "FULL_SHARD + last Block not resharded after forward (from outside)",
     "fs_both": "FULL_SHARD + explicit prefetch + last Block kept gathered (from outside)",
     "fs_threads": "FULL_SHARD + torch threads = cores // ranks on every rank, as DDP's launcher sets (from outside)",
@@ -212,11 +213,12 @@ def _worker(args: argparse.Namespace) -> None:
             sharding_strategy=sharding,
             auto_wrap_policy=["Block"],
             activation_checkpointing=["Block"] if config.endswith("_ac") else None,
+            forward_prefetch=config == "fs_prefetch",
         )
-        if config in ("fs_threads", "fs_prefetch", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms"):
+        if config in ("fs_threads", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms"):
             callbacks.append(
                 OutsideTweaks(
-                    prefetch=config in ("fs_prefetch", "fs_both", "fs_all"),
+                    prefetch=config in ("fs_both", "fs_all"),
                     keep_last=config in ("fs_last", "fs_both", "fs_all"),
                     threads=config in ("fs_threads", "fs_all"),
                     foreach=config == "fs_foreach",

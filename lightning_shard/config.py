@@ -31,6 +31,7 @@ class ShardingConfig:
     auto_wrap_policy: WrapPolicy = "auto"
     activation_checkpointing: WrapPolicy = None
     reshard_after_forward: bool | int | None = None
+    forward_prefetch: bool = False
     cpu_offload: bool | CPUOffloadPolicy = False
     hybrid_shard_size: int | None = None
     state_dict_type: StateDictType = "sharded"
@@ -54,6 +55,8 @@ class ShardingConfig:
                 "`cpu_offload=True` with `sharding_strategy='NO_SHARD'` would copy every whole parameter between CPU "
                 "and device each step; offload goes with sharding: use `sharding_strategy='FULL_SHARD'`."
             )
+        if not isinstance(self.forward_prefetch, bool):
+            raise TypeError(f"`forward_prefetch={self.forward_prefetch!r}` must be True or False.")
         rafp = self.reshard_after_forward
         if rafp is not None and not isinstance(rafp, (bool, int)):
             raise TypeError(f"`reshard_after_forward={rafp!r}` must be a bool, an int shard size, or None.")

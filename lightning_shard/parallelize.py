@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -68,8 +69,13 @@ def parallelize_module(
     wrappers = _apply_activation_checkpointing(model, checkpointed)
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    for unit in units:
-        shard(wrappers.get(id(unit), unit), reshard_after_forward=config.unit_reshard_after_forward)
+    sharded = [
+        shard(wrappers.get(id(unit), unit), reshard_after_forward=config.unit_reshard_after_forward) for unit in units
+    ]
+    if config.forward_prefetch:
+        # Units run in registration order in forward (the wrap policy selects them in module order).
+        for unit, next_unit in pairwise(sharded):
+            unit.set_modules_to_forward_prefetch([next_unit])
     # The root keeps its parameters gathered after forward (FSDP's default): backward needs them first.
     shard(model)
     if mesh.device_type == "cpu":

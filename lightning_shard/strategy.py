@@ -76,6 +76,8 @@ class ShardedStrategy(ParallelStrategy):
             (the block class repeated in ``ModuleList``/``Sequential`` containers).
         activation_checkpointing: which submodules recompute their activations in backward, in the same forms.
         reshard_after_forward: override the strategy's choice for every unit (bool, or an int shard size).
+        forward_prefetch: issue each unit's forward all-gather while the unit before it computes (FSDP1's
+            ``forward_prefetch``; FSDP2 prefetches in backward already). Costs one more unit's gathered parameters.
         cpu_offload: ``True`` or a ``CPUOffloadPolicy`` keeps sharded parameters, gradients and optimizer states
             in CPU memory (CUDA only; on a CPU accelerator it changes nothing).
         hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
@@ -104,6 +106,7 @@ class ShardedStrategy(ParallelStrategy):
         auto_wrap_policy: WrapPolicy = "auto",
         activation_checkpointing: WrapPolicy = None,
         reshard_after_forward: bool | int | None = None,
+        forward_prefetch: bool = False,
         cpu_offload: bool | CPUOffloadPolicy = False,
         hybrid_shard_size: int | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -118,6 +121,7 @@ class ShardedStrategy(ParallelStrategy):
             auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing=activation_checkpointing,
             reshard_after_forward=reshard_after_forward,
+            forward_prefetch=forward_prefetch,
             cpu_offload=cpu_offload,
             hybrid_shard_size=hybrid_shard_size,
             state_dict_type=state_dict_type,

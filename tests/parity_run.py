@@ -35,6 +35,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "accumulate": ({}, {"accumulate_grad_batches": 2}, {}),
     "meta_init": ({}, {}, {"build": "configure"}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
+    "forward_prefetch": ({"forward_prefetch": True}, {}, {}),
     "sgd": ({"auto_wrap_policy": None}, {}, {"optimizer": "sgd"}),
     "auto_sharding": ({"sharding_strategy": "auto"}, {}, {}),
     # spawned workers: only the weights come back to this process (callbacks ran in the workers)

@@ -22,6 +22,7 @@ FP32 = [
     "accumulate",
     "meta_init",
     "checkpointing",
+    "forward_prefetch",
     "sgd",
     "evaluate",
     "auto_sharding",

@@ -78,6 +78,13 @@ def test_a_cpu_mesh_gets_the_gloo_collectives_on_every_unit(mesh) -> None:
     assert len({id(g._all_gather_comm) for g in groups}) == 1  # one pool of buffers shared by all units
 
 
+def test_forward_prefetch_links_each_unit_to_the_next(mesh) -> None:
+    model = ToyModel()
+    unit_names(model, mesh, auto_wrap_policy={Block}, forward_prefetch=True)
+    prefetch = [[s._modules for s in b._get_fsdp_state()._states_to_forward_prefetch] for b in model.blocks]
+    assert prefetch == [[(model.blocks[1],)], [(model.blocks[2],)], []]
+
+
 def test_activation_checkpointing_wraps_before_sharding(mesh) -> None:
     model = ToyModel()
     names = unit_names(model, mesh, auto_wrap_policy=["Block"], activation_checkpointing=["Block"])
@@ -118,6 +125,7 @@ def test_meta_model_without_reset_parameters_fails_loudly() -> None:
     [
         ({"sharding_strategy": "FULL"}, ValueError, "sharding_strategy='FULL'"),
         ({"state_dict_type": "zip"}, ValueError, "state_dict_type='zip'"),
+        ({"forward_prefetch": "yes"}, TypeError, "forward_prefetch='yes'"),
         ({"auto_wrap_policy": -5}, ValueError, "auto_wrap_policy=-5"),
         ({"auto_wrap_policy": True}, TypeError, "not a bool"),
         ({"auto_wrap_policy": []}, ValueError, "is empty"),
