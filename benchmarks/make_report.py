@@ -295,9 +295,11 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         ]
         return " and ".join(parts) if parts else "not measured"
 
-    def rss(name: str) -> str:
+    def rss(name: str, run: str | None = None) -> str:
         parts = [
-            f"{max(s[name]['peak_rss_max_per_rank']) / MiB:.0f} MiB ({label})" for label, s, _ in runs if name in s
+            f"{max(s[name]['peak_rss_max_per_rank']) / MiB:.0f} MiB ({label})"
+            for label, s, _ in runs
+            if name in s and run in (None, label)
         ]
         return " and ".join(parts) if parts else "not measured"
 
@@ -318,13 +320,14 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "The changes, and where they stand:",
         "",
         f"1. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: {gloo_gain()}; "
-        f"peak RSS `fs` {rss('fs')} against `fs_fsdpcomms` {rss('fs_fsdpcomms')} and `ddp` {rss('ddp')}). "
-        "Found by profiling (torch.profiler, a plain FSDP2 loop on 2 gloo ranks) and microbenchmarks of one block's "
-        "buffers (3.15M fp32): gloo's `all_gather_single` 8.5 ms against 6.6 ms for its list all-gather into views "
-        "of the same output; `reduce_scatter_single` 16.5 ms against 9.9 ms for an all-reduce plus a copy of this "
-        "rank's chunk; a 12.6 MB copy into a fresh buffer 4.1 ms against 1.4 ms into a reused one (new pages from "
-        "the OS on this VM). glibc's allocator statistics showed where the RSS excess was: FULL_SHARD held less live "
-        "heap than DDP (239 vs 430 MiB after the optimizer step) but kept 411 MiB of freed blocks. "
+        f"peak RSS `fs` {rss('fs', 'main run')} against `fs_fsdpcomms` {rss('fs_fsdpcomms', 'main run')} and `ddp` "
+        f"{rss('ddp', 'main run')}). "
+        "Found by profiling (torch.profiler, a plain FSDP2 loop on 2 gloo ranks) and by the microbenchmarks in "
+        "*gloo collectives and buffers*: gloo's `reduce_scatter_single` is slower than an all-reduce plus a copy of "
+        "this rank's chunk, its `all_gather_single` no faster than its list all-gather, and a copy into a fresh "
+        "buffer slower than into a reused one. glibc's allocator statistics (`mallinfo2`, same loop) showed where "
+        "the RSS excess was: FULL_SHARD held less live heap than DDP (239 vs 430 MiB after the optimizer step) but "
+        "kept 411 MiB of freed blocks. "
         "`lightning_shard/gloo_comms.py` installs both collectives through FSDP2's `set_custom_all_gather` / "
         "`set_custom_reduce_scatter` on CPU meshes, with a pool that hands a comm buffer out again once nothing "
         "refers to its storage (at most 4 buffers per collective). Results are bit-identical to FSDP2's defaults "
@@ -474,6 +477,32 @@ def scaling_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def collectives_section(data: dict[str, Any]) -> list[str]:
+    rows = data["rows"]
+    seconds = {(r["size"], r["case"]): r["seconds"] for r in rows}
+
+    def versus(row: dict[str, Any]) -> str:
+        # Each replacement against the default it replaces, listed just before it.
+        kind, _ = row["case"].split(": ", 1)
+        first = next(r for r in rows if r["size"] == row["size"] and r["case"].startswith(kind))
+        return "-" if first is row else f"{seconds[(row['size'], first['case'])] / row['seconds']:.2f}x"
+
+    return [
+        "## gloo collectives and buffers (what `gloo_comms` is built on)",
+        "",
+        "`python benchmarks/gloo_collectives.py`: 2 processes, 1 torch thread each; per case the median of "
+        f"{data['repeats']} calls, the slower rank's time. One block = one GPT block of the training benchmark; "
+        "whole model = all its parameters. Speed-up = the first row of the same kind / this row.",
+        "",
+        f"Machine: {_machine_line(data)}.",
+        "",
+        "| size | case | ms | speed-up |",
+        "|---|---|---|---|",
+        *(f"| {r['size']} ({r['numel']:,}) | {r['case']} | {r['seconds'] * 1e3:.2f} | {versus(r)} |" for r in rows),
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", default=str(HERE / "results"))
@@ -487,6 +516,7 @@ def main() -> None:
     run1 = _load(results, "train_speed_run1")
     malloc = _load(results, "train_speed_malloc")
     ckpt, scaling = _load(results, "checkpoint_io"), _load(results, "model_state_scaling")
+    collectives = _load(results, "gloo_collectives")
 
     lines = [
         "# Benchmarks",
@@ -499,7 +529,7 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (train, check, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (train, check, collectives, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -521,6 +551,8 @@ def main() -> None:
             runs.append((label, s, data))
     if runs:
         lines += targets_section([(label, s) for label, s, _ in runs]) + body + changes_section(runs)
+    if collectives:
+        lines += collectives_section(collectives)
     if scaling:
         lines += scaling_section(scaling)
     if meta:

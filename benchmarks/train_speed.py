@@ -28,6 +28,8 @@ Configurations (``CONFIGS``):
   fs_both        explicit forward + backward prefetch (from outside) + fs_last;  fs_all: fs_threads + fs_both.
   fs_fsdpcomms   fs with FSDP2's own ``all_gather_single`` / ``reduce_scatter_single`` put back in place of
                  ``lightning_shard.gloo_comms`` (what the strategy did before it installed them).
+  fs_nocomm      diagnostic: fs with the all-gather skipped and the reduce-scatter a local copy, so FSDP2's own work
+                 (copies, hooks, allocation) is timed without communication; its losses are meaningless.
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
                  under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.
 The last three apply a change from the outside (a callback after the strategy's setup); nothing in the strategy
@@ -53,7 +55,7 @@ MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dr
 DEFAULTS = dict(batch_size=2, warmup=2, steps=8, devices=2)
 
 CONFIGS = ["ddp", "anchor", "fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_threads", "fs_prefetch", "fs_last"]
-EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap", "fs_fsdpcomms"]
+EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap", "fs_fsdpcomms", "fs_nocomm"]
 # Process environment per configuration (set for the launch; the popen launcher hands it to every rank).
 # glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; FSDP2 frees and
 # re-allocates unsharded block buffers every step, so later ones land on the heap and fragment it. A fixed
@@ -81,10 +83,30 @@ DESCRIPTIONS = {
     "fs_mmap": "FULL_SHARD + MALLOC_MMAP_THRESHOLD_=131072 in the environment (fixed glibc mmap threshold)",
     "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
     "fs_fsdpcomms": "FULL_SHARD with FSDP2's default gloo collectives put back (from outside), i.e. before gloo_comms",
+    "fs_nocomm": "FULL_SHARD with no communication at all (diagnostic: wrong numbers, FSDP2's own cost)",
 }
 
 
 # ---------------------------------------------------------------------------------------------------- worker side
+
+
+def _replacement_comms(kind: str) -> tuple[Any, Any]:
+    """FSDP2's default collectives (``"fsdp"``), or ones that communicate nothing (``"none"``, for timing only)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
+
+    class LocalAllGather(GlooAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return None  # this rank's chunk is already in place (FSDP2's copy-in); the others keep stale bytes
+
+    class LocalReduceScatter(GlooReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+    if kind == "fsdp":
+        return DefaultAllGather(), DefaultReduceScatter()
+    return LocalAllGather(), LocalReduceScatter()
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -160,10 +182,10 @@ def _worker(args: argparse.Namespace) -> None:
         """Speed ideas applied to the sharded model after the strategy's setup (nothing in the strategy is edited)."""
 
         def __init__(
-            self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False, fsdp_comms: bool = False
+            self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False, comms: str | None = None
         ) -> None:
             self.prefetch, self.keep_last, self.threads, self.foreach = prefetch, keep_last, threads, foreach
-            self.fsdp_comms = fsdp_comms
+            self.comms = comms  # None: the strategy's; "fsdp": FSDP2's defaults; "none": no communication
 
         def setup(self, trainer, pl_module, stage) -> None:
             if self.threads:
@@ -181,15 +203,11 @@ def _worker(args: argparse.Namespace) -> None:
                         block.set_modules_to_backward_prefetch([blocks[i - 1]])
             if self.keep_last and blocks:
                 blocks[-1].set_reshard_after_forward(False)
-            if self.fsdp_comms:
-                from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-                    DefaultAllGather,
-                    DefaultReduceScatter,
-                )
-
+            if self.comms is not None:
+                all_gather, reduce_scatter = _replacement_comms(self.comms)
                 for module in [model, *blocks]:
-                    module.set_custom_all_gather(DefaultAllGather())
-                    module.set_custom_reduce_scatter(DefaultReduceScatter())
+                    module.set_custom_all_gather(all_gather)
+                    module.set_custom_reduce_scatter(reduce_scatter)
             if self.foreach:
                 for optimizer in trainer.optimizers:
                     for group in optimizer.param_groups:
@@ -215,14 +233,14 @@ def _worker(args: argparse.Namespace) -> None:
             activation_checkpointing=["Block"] if config.endswith("_ac") else None,
             forward_prefetch=config == "fs_prefetch",
         )
-        if config in ("fs_threads", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms"):
+        if config in ("fs_threads", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms", "fs_nocomm"):
             callbacks.append(
                 OutsideTweaks(
                     prefetch=config in ("fs_both", "fs_all"),
                     keep_last=config in ("fs_last", "fs_both", "fs_all"),
                     threads=config in ("fs_threads", "fs_all"),
                     foreach=config == "fs_foreach",
-                    fsdp_comms=config == "fs_fsdpcomms",
+                    comms={"fs_fsdpcomms": "fsdp", "fs_nocomm": "none"}.get(config),
                 )
             )
     timer = StepTimer()

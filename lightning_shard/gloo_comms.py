@@ -1,11 +1,12 @@
 """FSDP2 collectives for CPU (gloo) meshes, installed through FSDP2's own comm hooks.
 
-FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``. On gloo both are slower than collectives that move
-the same bytes: measured on 2 ranks of this project's 2-core CI machine for one GPT block (3.15M fp32 parameters),
-the all-gather took 8.5 ms against 6.6 ms for gloo's list all-gather into views of the same output, and the
-reduce-scatter took 16.5 ms against 9.9 ms for an all-reduce of the input followed by a copy of this rank's chunk
-(gloo's reduce-scatter is not a ring). The replacements keep FSDP2's buffers, ops and ordering; only the gloo call
-differs, and the results are the same bytes (tests/test_gloo_comms.py).
+FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``. On gloo the reduce-scatter is slower than an
+all-reduce of the same input followed by a copy of this rank's chunk (gloo's reduce-scatter is not a ring), and the
+all-gather is no faster than gloo's list all-gather into views of the same output; both replacements write the same
+bytes. FSDP2 also allocates fresh comm buffers for every unit on every step, which on CPU means new pages and a
+fragmented heap; the buffers here are reused. ``benchmarks/gloo_collectives.py`` has the figures (2 ranks, one GPT
+block of 3.15M fp32 parameters: reduce-scatter 1.3x faster, a copy into a reused buffer 1.5x faster than into a
+fresh one; for the whole 19M-parameter model 2.0x and 3.2x). ``tests/test_gloo_comms.py`` checks the bytes.
 
 NCCL meshes keep FSDP2's defaults: there both collectives are native.
 """
@@ -29,10 +30,9 @@ def _storage_users(tensor: torch.Tensor) -> int:
 class ReusedBuffers:
     """FSDP2's per-call comm buffers, handed out again once nothing but this pool refers to their storage.
 
-    FSDP2 allocates a fresh all-gather output and reduce-scatter input for every unit on every step. On CPU each
-    fresh buffer is new pages from the OS (glibc mmaps blocks this large), and touching them costs about as much as
-    the copy itself (measured: a 12.6 MB copy into a fresh buffer 4.1 ms, into a reused one 1.4 ms); the freed
-    blocks also leave the process heap fragmented, so peak RSS creeps up from step to step. The ``Comm`` interface
+    FSDP2 allocates a fresh all-gather output and reduce-scatter input for every unit on every step. On CPU a fresh
+    buffer is often new pages from the OS (glibc mmaps large blocks), which are slow to touch; the freed blocks also
+    leave the process heap fragmented, so peak RSS creeps up from step to step. The ``Comm`` interface
     allows a comm to reuse persistent buffers. A buffer is free when no tensor but the pool's own refers to its
     storage (FSDP2's views, the gloo work and a gradient made from a reduce-scatter output all count), so reuse
     never aliases live data. At most ``capacity`` buffers are kept; when full, the least recently used free one
