@@ -197,7 +197,7 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             out["SHARD_GRAD_OP throughput / DDP"] = speed("sgo") / speed("ddp")
         if "ddp" in s:
             ddp_rss = max(s["ddp"]["peak_rss_max_per_rank"])
-            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_fsdpcomms", "fs_mmap"):
+            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_fsdpcomms", "fs_nocomm", "fs_mmap"):
                 if name in s:
                     out[f"`{name}` max peak RSS per rank / DDP's"] = max(s[name]["peak_rss_max_per_rank"]) / ddp_rss
         for name in ("fs", "sgo"):
@@ -267,6 +267,7 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
             "fs_all",
             "fs_foreach",
             "fs_mmap",
+            "fs_nocomm",
             "fs_ac",
             "ddp_foreach",
             "ddp_mmap",
@@ -370,6 +371,12 @@ CHECK_NOTE = (
     "copy of commit 9c30d1d so that edits to the working tree could not change it. Command: `python "
     "benchmarks/train_speed.py --configs ddp anchor fs fs_prefetch sgo --rounds 3 --output "
     "benchmarks/results/train_speed_check.json`."
+)
+NOCOMM_NOTE = (
+    "Where FULL_SHARD's time goes: `fs_nocomm` is `fs` with the all-gathers skipped and the reduce-scatters "
+    "replaced by a local copy (wrong numbers, same work otherwise), so the difference to `fs` is the "
+    "communication. Command: `python benchmarks/train_speed.py --configs ddp fs fs_nocomm --rounds 2 --output "
+    "benchmarks/results/train_speed_nocomm.json`."
 )
 BEFORE_GLOO_NOTE = (
     "The previous main run, before `gloo_comms` (FSDP2's default collectives, fresh comm buffers every step), on a "
@@ -512,6 +519,7 @@ def main() -> None:
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
+    nocomm = _load(results, "train_speed_nocomm")
     focus = _load(results, "train_speed_focus")
     run1 = _load(results, "train_speed_run1")
     malloc = _load(results, "train_speed_malloc")
@@ -529,7 +537,7 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (train, check, collectives, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (train, check, nocomm, collectives, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -539,6 +547,7 @@ def main() -> None:
     sections = (
         (train, "main run", "Training speed and memory (2 CPU ranks): main run, current tree", MAIN_NOTE),
         (check, "check run", "Check run: the current strategy, 3 rounds", CHECK_NOTE),
+        (nocomm, "diagnostic run", "Diagnostic run: FULL_SHARD without communication", NOCOMM_NOTE),
         (before_gloo, "before gloo_comms", "Previous main run: before the gloo collectives", BEFORE_GLOO_NOTE),
         (run1, "run 1", "Earlier run 1: heavily loaded machine, before the launcher change", RUN1_NOTE),
         (focus, "run 2", "Earlier run 2 (focused): the launcher change landed during it", FOCUS_NOTE),
