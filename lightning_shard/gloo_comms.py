@@ -83,8 +83,22 @@ class GlooAllGather(ReusedBuffers, AllGather):
 class GlooReduceScatter(ReusedBuffers, ReduceScatter):
     """Reduce-scatter as an in-place all-reduce of ``input_tensor`` followed by a copy of this rank's chunk.
 
-    FSDP2 hands over a scratch input that it only keeps alive afterwards, so reducing it in place is safe.
+    FSDP2 hands over a scratch input that it only keeps alive afterwards, so reducing it in place is safe. Only the
+    inputs are pooled: FSDP2 asks for each output right after its input, and the output becomes the sharded
+    gradient, which lives until ``zero_grad``; pooled, the gradients would fill the pool and push the inputs out.
     """
+
+    def __init__(self, capacity: int = 4) -> None:
+        super().__init__(capacity)
+        self._last_input_numel: int | None = None
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel, last = math.prod(int(s) for s in size), self._last_input_numel
+        if last is not None and numel < last and last % numel == 0:  # the output of the input just handed out
+            self._last_input_numel = None
+            return torch.empty(*size, dtype=dtype, device=device)
+        self._last_input_numel = numel
+        return super().allocate(size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import run_script
 
-from lightning_shard.gloo_comms import ReusedBuffers
+from lightning_shard.gloo_comms import GlooReduceScatter, ReusedBuffers
 
 CPU = torch.device("cpu")
 
@@ -69,6 +69,16 @@ def test_a_full_pool_evicts_the_least_recently_used_free_buffer() -> None:
     take(pool, 8)  # the 8-element buffer is now the most recently used
     take(pool, 32)
     assert pooled_sizes(pool) == [8, 32]
+
+
+def test_reduce_scatter_pools_its_inputs_but_not_the_outputs_that_become_gradients() -> None:
+    comm = GlooReduceScatter(capacity=4)
+    for _ in range(3):  # FSDP2's order per unit: the input (world x shard), then the output (one shard)
+        reduce_input = take(comm, 8)
+        gradient = take(comm, 4)
+        del reduce_input
+    assert pooled_sizes(comm) == [8]
+    assert gradient.numel() == 4
 
 
 @pytest.fixture(scope="module")
