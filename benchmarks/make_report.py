@@ -359,14 +359,25 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
 
 
 MAIN_NOTE = (
-    "The numbers to go by: the current strategy, which on CPU meshes installs `lightning_shard.gloo_comms` (gloo "
+    "All configurations with the current strategy, which on CPU meshes installs `lightning_shard.gloo_comms` (gloo "
     "list all-gather, all-reduce + copy in place of reduce-scatter, reused comm buffers). `fs_fsdpcomms` is the "
     "same FULL_SHARD run with FSDP2's default collectives put back, in the same rounds, so `fs` against it is what "
     "the change bought. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_fsdpcomms fs_ac sgo "
     "sgo_ac ns ns_ac --rounds 2`."
 )
+LONG_NOTE = (
+    "The targets' configurations only, with 20 timed steps per launch and 3 rounds, after the main run, for tighter "
+    "medians. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_fsdpcomms --rounds 3 --steps 20 "
+    "--output benchmarks/results/train_speed_long.json`."
+)
+GLOO_FIRST_NOTE = (
+    "The first run with `gloo_comms` (commit 9c30d1d), when `GlooReduceScatter` still pooled its outputs (the "
+    "gradients) as well: they filled its pool, so its inputs were allocated afresh for most units. Same command as "
+    "the main run."
+)
 CHECK_NOTE = (
-    "A second run of the current strategy with 3 rounds, for the spread of the speed ratios, and explicit forward "
+    "A run of `gloo_comms` as in the first gloo run (commit 9c30d1d) with 3 rounds, for the spread of the speed "
+    "ratios, and explicit forward "
     "prefetch (then applied from outside; now `ShardedStrategy(forward_prefetch=True)`). It ran from an exported "
     "copy of commit 9c30d1d so that edits to the working tree could not change it. Command: `python "
     "benchmarks/train_speed.py --configs ddp anchor fs fs_prefetch sgo --rounds 3 --output "
@@ -385,8 +396,8 @@ BEFORE_GLOO_NOTE = (
 )
 RUN1_NOTE = (
     "Run with the committed strategy of that time (rank 1 of `ShardedStrategy` and of the anchor ran 2 torch threads, "
-    "rank 0 one) while other test suites kept the 2-core machine at load 4-8: absolute times are about twice the "
-    "main run's and the per-round spread is large. Command: `python benchmarks/train_speed.py` (all defaults)."
+    "rank 0 one) while other test suites kept the 2-core machine at load 4-8: absolute times are about twice those "
+    "of the later runs and the per-round spread is large. Command: `python benchmarks/train_speed.py` (all defaults)."
 )
 FOCUS_NOTE = (
     "The speed ideas against `fs`, `ddp` and `anchor` at lower load. The launcher change (every rank 1 thread) "
@@ -398,8 +409,8 @@ FOCUS_NOTE = (
 
 MALLOC_NOTE = (
     "`fs`/`ddp` with and without `MALLOC_MMAP_THRESHOLD_=131072` in the launch environment, alternating, after "
-    "the main run (current tree). Command: `python benchmarks/train_speed.py --configs ddp fs ddp_mmap fs_mmap "
-    "--rounds 2 --warmup 1 --steps 4 --output benchmarks/results/train_speed_malloc.json`."
+    "the run before gloo_comms, on the same tree. Command: `python benchmarks/train_speed.py --configs ddp fs "
+    "ddp_mmap fs_mmap --rounds 2 --warmup 1 --steps 4 --output benchmarks/results/train_speed_malloc.json`."
 )
 
 
@@ -519,6 +530,7 @@ def main() -> None:
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
+    long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
     nocomm = _load(results, "train_speed_nocomm")
     focus = _load(results, "train_speed_focus")
     run1 = _load(results, "train_speed_run1")
@@ -537,7 +549,7 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (train, check, nocomm, collectives, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (train, long_run, nocomm, collectives, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -546,7 +558,9 @@ def main() -> None:
     body: list[str] = []
     sections = (
         (train, "main run", "Training speed and memory (2 CPU ranks): main run, current tree", MAIN_NOTE),
-        (check, "check run", "Check run: the current strategy, 3 rounds", CHECK_NOTE),
+        (long_run, "long run", "Long run: the targets' configurations, 3 rounds of 20 steps", LONG_NOTE),
+        (gloo_first, "first gloo run", "First run with gloo_comms", GLOO_FIRST_NOTE),
+        (check, "check run", "Check run: gloo_comms, 3 rounds", CHECK_NOTE),
         (nocomm, "diagnostic run", "Diagnostic run: FULL_SHARD without communication", NOCOMM_NOTE),
         (before_gloo, "before gloo_comms", "Previous main run: before the gloo collectives", BEFORE_GLOO_NOTE),
         (run1, "run 1", "Earlier run 1: heavily loaded machine, before the launcher change", RUN1_NOTE),
