@@ -197,7 +197,18 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
             out["SHARD_GRAD_OP throughput / DDP"] = speed("sgo") / speed("ddp")
         if "ddp" in s:
             ddp_rss = max(s["ddp"]["peak_rss_max_per_rank"])
-            for name in ("fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_fsdpcomms", "fs_nocomm", "fs_mmap"):
+            for name in (
+                "fs",
+                "fs_ac",
+                "sgo",
+                "sgo_ac",
+                "ns",
+                "ns_ac",
+                "fs_fsdpcomms",
+                "fs_notrim",
+                "fs_nocomm",
+                "fs_mmap",
+            ):
                 if name in s:
                     out[f"`{name}` max peak RSS per rank / DDP's"] = max(s[name]["peak_rss_max_per_rank"]) / ddp_rss
         for name in ("fs", "sgo"):
@@ -239,6 +250,13 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     ]
 
 
+# Variants that take a change of the strategy out again: fs against them is what the change bought.
+IN_STRATEGY = {
+    "fs_fsdpcomms": "the gloo collectives + reused buffers",
+    "fs_notrim": "the heap trim",
+}
+
+
 def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[str]:
     runs = [r for r in runs if "fs" in r[1]]
     if not runs:
@@ -260,6 +278,7 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         for name in (
             "fs",
             "fs_fsdpcomms",
+            "fs_notrim",
             "fs_threads",
             "fs_prefetch",
             "fs_last",
@@ -274,13 +293,13 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         ):
             if name not in s:
                 continue
-            # ddp_* variants are measured against ddp, everything else against fs; gloo_comms is in the strategy,
-            # so its gain is fs against fs_fsdpcomms (FSDP2's defaults put back).
+            # ddp_* variants are measured against ddp, everything else against fs; changes that are in the strategy
+            # are measured the other way round: fs against the variant that takes them out.
             base, v = (s["ddp"] if name.startswith("ddp_") else s["fs"]), s[name]
             description = f"`{name}`: {data['descriptions'][name]}"
-            if name == "fs_fsdpcomms":
+            if name in IN_STRATEGY:
                 base, v = v, s["fs"]
-                description = "`fs` against `fs_fsdpcomms`: the gloo collectives + reused buffers (in the strategy)"
+                description = f"`fs` against `{name}`: {IN_STRATEGY[name]} (in the strategy)"
             per_round = [b / x - 1 for b, x in zip(base["round_medians"], v["round_medians"], strict=False)]
             lines.append(
                 f"| {label} | {description} | {v['median_step']:.3f} "
@@ -304,23 +323,24 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         ]
         return " and ".join(parts) if parts else "not measured"
 
-    def gloo_gain() -> str:
+    def strategy_gain(name: str, run: str | None = None) -> str:
+        """fs against the variant that takes a change of the strategy out again, pooled and per round."""
         parts = [
-            f"{s['fs_fsdpcomms']['median_step'] / s['fs']['median_step'] - 1:+.0%} ({label}; per round "
+            f"{s[name]['median_step'] / s['fs']['median_step'] - 1:+.0%} ({label}; per round "
             + ", ".join(
-                f"{b / x - 1:+.0%}"
-                for b, x in zip(s["fs_fsdpcomms"]["round_medians"], s["fs"]["round_medians"], strict=False)
+                f"{b / x - 1:+.0%}" for b, x in zip(s[name]["round_medians"], s["fs"]["round_medians"], strict=False)
             )
             + ")"
             for label, s, _ in runs
-            if "fs_fsdpcomms" in s
+            if name in s and run in (None, label)
         ]
         return " and ".join(parts) if parts else "not measured"
 
     lines += [
         "The changes, and where they stand:",
         "",
-        f"1. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: {gloo_gain()}; "
+        "1. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: "
+        f"{strategy_gain('fs_fsdpcomms')}; "
         f"peak RSS `fs` {rss('fs', 'main run')} against `fs_fsdpcomms` {rss('fs_fsdpcomms', 'main run')} and `ddp` "
         f"{rss('ddp', 'main run')}). "
         "Found by profiling (torch.profiler, a plain FSDP2 loop on 2 gloo ranks) and by the microbenchmarks in "
@@ -332,38 +352,66 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "`lightning_shard/gloo_comms.py` installs both collectives through FSDP2's `set_custom_all_gather` / "
         "`set_custom_reduce_scatter` on CPU meshes, with a pool that hands a comm buffer out again once nothing "
         "refers to its storage (at most 4 buffers per collective). Results are bit-identical to FSDP2's defaults "
-        "(`tests/test_gloo_comms.py`). A fixed glibc mmap threshold (item 6) lowered RSS too, but slowed every step.",
-        f"2. **Thread count on every rank - in the strategy since commit f2e3f93** (`fs_threads`: "
+        "(`tests/test_gloo_comms.py`). A fixed glibc mmap threshold (item 7) lowered RSS too, but slowed every step.",
+        f"2. **Heap trim every 5 optimizer steps - in the strategy** (`fs` vs `fs_notrim`: "
+        f"{strategy_gain('fs_notrim', 'trim check')}; peak RSS `fs` {rss('fs', 'trim check')} against `fs_notrim` "
+        f"{rss('fs_notrim', 'trim check')} and `ddp` {rss('ddp', 'trim check')}). With the pool alone, peak RSS still "
+        "crept up with the step count (the long run: 1.06x DDP over 22 steps), because FSDP2 also frees and "
+        "re-allocates unsharded parameters and gradients every step, out of reach of its comm hooks. "
+        "`lightning_shard/cpu_heap.py` calls glibc's `malloc_trim(0)` after every 5th optimizer step on a CPU device "
+        "(`ShardedStrategy.optimizer_step`), so the free pages go back to the OS. Trimming after every step (the "
+        f"trim run and the every-step check: {strategy_gain('fs_notrim', 'every-step trim')}) cost step time, "
+        "because the next step faults the pages in again.",
+        f"3. **Thread count on every rank - in the strategy since commit f2e3f93** (`fs_threads`: "
         f"{gain('fs_threads')}; run 2 round 0 alone is the clean pair). `ShardedStrategy._configure_launcher` used to "
         "return early on the ranks the popen launcher starts, so they never ran the launcher's "
         "`_set_num_threads_if_needed` and kept torch's default of all cores (rank 0 ran 1 thread, rank 1 ran 2 on 2 "
         "cores). It now builds the launcher on every rank, as `DDPStrategy` does.",
-        f"3. **Keep the last Block gathered after forward - not adopted** (`fs_last`: {gain('fs_last')}): "
+        f"4. **Keep the last Block gathered after forward - not adopted** (`fs_last`: {gain('fs_last')}): "
         "`units[-1].set_reshard_after_forward(False)` saves one all-gather per step at the cost of one block's "
         "unsharded parameters between forward and backward. No gain beyond noise here.",
-        f"4. **Explicit prefetch - not adopted** (`fs_prefetch`: {gain('fs_prefetch')}): "
+        f"5. **Explicit prefetch - not adopted** (`fs_prefetch`: {gain('fs_prefetch')}): "
         "`units[i].set_modules_to_forward_prefetch([units[i + 1]])` and "
         "`units[i].set_modules_to_backward_prefetch([units[i - 1]])`. On CPU, FSDP2 has no copy/communication "
         "streams; an early all-gather can only overlap through gloo's worker thread, which competes with compute "
         "for the same two cores. Both are GPU-stream optimisations that this machine cannot judge.",
-        f"5. **AdamW foreach - the user's choice** (`fs_foreach`: {gain('fs_foreach')}; `ddp_foreach` vs `ddp` is "
+        f"6. **AdamW foreach - the user's choice** (`fs_foreach`: {gain('fs_foreach')}; `ddp_foreach` vs `ddp` is "
         "the same change for DDP). On CPU torch picks the per-parameter loop, and under FSDP2 every elementwise op of "
         "it dispatches through DTensor. It is set in the user's `configure_optimizers` (`foreach=True`).",
-        f"6. **Fixed glibc mmap threshold - not adopted** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` "
+        f"7. **Fixed glibc mmap threshold - not adopted** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` "
         f"{rss('fs')}; `ddp_mmap` {rss('ddp_mmap')} vs `ddp` {rss('ddp')}; step times in run 3's table). "
         "`MALLOC_MMAP_THRESHOLD_=131072` returns freed buffers to the OS, but every step then maps and zero-fills them "
-        "again: +13% to +81% step time. Item 1 reaches the memory target without that cost.",
+        "again: +13% to +81% step time. Items 1 and 2 reach the memory target without that cost.",
         "",
     ]
     return lines
 
 
 MAIN_NOTE = (
-    "All configurations with the current strategy, which on CPU meshes installs `lightning_shard.gloo_comms` (gloo "
+    "All configurations with `gloo_comms`, before the heap trim. On CPU meshes the strategy installs "
+    "`lightning_shard.gloo_comms` (gloo "
     "list all-gather, all-reduce + copy in place of reduce-scatter, reused comm buffers). `fs_fsdpcomms` is the "
     "same FULL_SHARD run with FSDP2's default collectives put back, in the same rounds, so `fs` against it is what "
     "the change bought. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_fsdpcomms fs_ac sgo "
     "sgo_ac ns ns_ac --rounds 2`."
+)
+TRIM_NOTE = (
+    "The targets' configurations over 22 steps, where the long run had shown peak RSS creeping above DDP's, with a "
+    "first version of `cpu_heap` that trimmed the heap after *every* optimizer step (run on the working tree "
+    "before it was committed; the edits are listed under *Machine*). The strategy now trims every 5 steps (next "
+    "two runs). Command: `python benchmarks/train_speed.py --configs ddp anchor fs sgo --rounds 2 --steps 20 "
+    "--output benchmarks/results/train_speed_trim.json`."
+)
+EVERY_STEP_NOTE = (
+    "What trimming after every step cost: `fs` (trim after every optimizer step, as in the trim run) against "
+    "`fs_notrim`, 22 steps, on the same uncommitted tree as the trim run. Command: `python benchmarks/train_speed.py "
+    "--configs ddp fs fs_notrim --rounds 2 --steps 20` (its output moved to "
+    "`benchmarks/results/train_speed_trim_every_step.json`)."
+)
+NOTRIM_NOTE = (
+    "The strategy as committed: the heap trimmed every 5 optimizer steps. `fs` against `fs_notrim` (the trim "
+    "replaced by a no-op), 22 steps. Command: `python benchmarks/train_speed.py --configs ddp fs fs_notrim --rounds "
+    "2 --steps 20 --output benchmarks/results/train_speed_notrim.json`."
 )
 LONG_NOTE = (
     "The targets' configurations only, with 20 timed steps per launch and 3 rounds, after the main run, for tighter "
@@ -531,6 +579,8 @@ def main() -> None:
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
     long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
+    trim, notrim = _load(results, "train_speed_trim"), _load(results, "train_speed_notrim")
+    every_step = _load(results, "train_speed_trim_every_step")
     nocomm = _load(results, "train_speed_nocomm")
     focus = _load(results, "train_speed_focus")
     run1 = _load(results, "train_speed_run1")
@@ -549,7 +599,7 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (train, long_run, nocomm, collectives, scaling, meta, ckpt) if d),
+        *(d["command"].strip() for d in (notrim, trim, nocomm, collectives, scaling, meta, ckpt) if d),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -557,8 +607,11 @@ def main() -> None:
     runs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     body: list[str] = []
     sections = (
-        (train, "main run", "Training speed and memory (2 CPU ranks): main run, current tree", MAIN_NOTE),
-        (long_run, "long run", "Long run: the targets' configurations, 3 rounds of 20 steps", LONG_NOTE),
+        (train, "main run", "Main run: every configuration, before the heap trim", MAIN_NOTE),
+        (notrim, "trim check", "Trim check: the committed strategy (trim every 5 steps) against no trim", NOTRIM_NOTE),
+        (trim, "trim run", "Trim run: the targets' configurations over 22 steps, trim after every step", TRIM_NOTE),
+        (every_step, "every-step trim", "Every-step trim against no trim", EVERY_STEP_NOTE),
+        (long_run, "long run", "Long run: before the heap trim, 3 rounds of 20 steps", LONG_NOTE),
         (gloo_first, "first gloo run", "First run with gloo_comms", GLOO_FIRST_NOTE),
         (check, "check run", "Check run: gloo_comms, 3 rounds", CHECK_NOTE),
         (nocomm, "diagnostic run", "Diagnostic run: FULL_SHARD without communication", NOCOMM_NOTE),

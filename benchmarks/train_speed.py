@@ -30,6 +30,8 @@ Configurations (``CONFIGS``):
                  ``lightning_shard.gloo_comms`` (what the strategy did before it installed them).
   fs_nocomm      diagnostic: fs with the all-gather skipped and the reduce-scatter a local copy, so FSDP2's own work
                  (copies, hooks, allocation) is timed without communication; its losses are meaningless.
+  fs_notrim      fs without ``lightning_shard.cpu_heap``'s trim after each optimizer step (replaced by a no-op in
+                 the worker), so ``fs`` against it is what the trim bought.
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
                  under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.
 The last three apply a change from the outside (a callback after the strategy's setup); nothing in the strategy
@@ -55,7 +57,17 @@ MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dr
 DEFAULTS = dict(batch_size=2, warmup=2, steps=8, devices=2)
 
 CONFIGS = ["ddp", "anchor", "fs", "fs_ac", "sgo", "sgo_ac", "ns", "ns_ac", "fs_threads", "fs_prefetch", "fs_last"]
-EXTRA_CONFIGS = ["fs_both", "fs_all", "fs_foreach", "ddp_foreach", "fs_mmap", "ddp_mmap", "fs_fsdpcomms", "fs_nocomm"]
+EXTRA_CONFIGS = [
+    "fs_both",
+    "fs_all",
+    "fs_foreach",
+    "ddp_foreach",
+    "fs_mmap",
+    "ddp_mmap",
+    "fs_fsdpcomms",
+    "fs_nocomm",
+    "fs_notrim",
+]
 # Process environment per configuration (set for the launch; the popen launcher hands it to every rank).
 # glibc raises its mmap threshold dynamically (up to 32 MiB) after large blocks are freed; FSDP2 frees and
 # re-allocates unsharded block buffers every step, so later ones land on the heap and fragment it. A fixed
@@ -84,6 +96,7 @@ DESCRIPTIONS = {
     "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
     "fs_fsdpcomms": "FULL_SHARD with FSDP2's default gloo collectives put back (from outside), i.e. before gloo_comms",
     "fs_nocomm": "FULL_SHARD with no communication at all (diagnostic: wrong numbers, FSDP2's own cost)",
+    "fs_notrim": "FULL_SHARD without the heap trim after each optimizer step (from outside), i.e. before cpu_heap",
 }
 
 
@@ -214,6 +227,10 @@ def _worker(args: argparse.Namespace) -> None:
                         group["foreach"] = True
 
     config = args.worker
+    if config == "fs_notrim":
+        import lightning_shard.strategy
+
+        lightning_shard.strategy.HeapTrimmer.step = lambda self: False
     L.seed_everything(1234, verbose=False)
     module_cls = GPT
     callbacks: list[Callback] = []
