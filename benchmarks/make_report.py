@@ -607,10 +607,10 @@ def main() -> None:
     runs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     body: list[str] = []
     sections = (
-        (train, "main run", "Main run: every configuration, before the heap trim", MAIN_NOTE),
         (notrim, "trim check", "Trim check: the committed strategy (trim every 5 steps) against no trim", NOTRIM_NOTE),
         (trim, "trim run", "Trim run: the targets' configurations over 22 steps, trim after every step", TRIM_NOTE),
         (every_step, "every-step trim", "Every-step trim against no trim", EVERY_STEP_NOTE),
+        (train, "main run", "Main run: every configuration, before the heap trim", MAIN_NOTE),
         (long_run, "long run", "Long run: before the heap trim, 3 rounds of 20 steps", LONG_NOTE),
         (gloo_first, "first gloo run", "First run with gloo_comms", GLOO_FIRST_NOTE),
         (check, "check run", "Check run: gloo_comms, 3 rounds", CHECK_NOTE),

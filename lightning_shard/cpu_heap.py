@@ -4,8 +4,9 @@ FSDP2 frees and re-allocates each unit's unsharded parameters and gradients on e
 glibc's heap, which keeps freed blocks; the blocks fragment, and the process's peak RSS creeps up step by step
 although the live memory does not grow (measured: 22 steps of FULL_SHARD reached 1.06x DDP's peak RSS). Trimming
 returns the free pages, so the peak stays at what the steps really hold. It has a price: the next step faults the
-pages in again (7% step time when trimming after every step of the benchmark GPT, benchmarks/NOTES.md), so the
-strategy trims every few steps; the creep is slow. Other C libraries have no ``malloc_trim``: nothing happens.
+pages in again (9-13% mean step time when trimming after every step of the benchmark GPT; about 2% every 5 steps;
+benchmarks/NOTES.md), so the strategy trims every few steps; the creep is slow. Other C libraries have no
+``malloc_trim``: then nothing happens.
 """
 
 from __future__ import annotations

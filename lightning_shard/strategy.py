@@ -133,7 +133,7 @@ class ShardedStrategy(ParallelStrategy):
             raise TypeError(f"`timeout={timeout!r}` must be a datetime.timedelta, e.g. `timedelta(minutes=10)`.")
         check_reduce_dtype(reduce_dtype)
         self._reduce_dtype = reduce_dtype
-        # Every 5 optimizer steps: trimming after each step cost 7% step time, and the heap creeps up slowly.
+        # Every 5 optimizer steps: trimming after each step cost 9-13% mean step time; every 5th, about 2%.
         self._heap_trimmer = HeapTrimmer(every=5)
         super().__init__(
             accelerator=accelerator,
