@@ -27,6 +27,12 @@ def _storage_users(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+def _idle(entry: tuple[torch.Tensor, int]) -> bool:
+    """Whether nothing but the pool refers to the buffer's storage."""
+    buffer, idle_users = entry
+    return _storage_users(buffer) == idle_users
+
+
 class ReusedBuffers:
     """FSDP2's per-call comm buffers, handed out again once nothing but this pool refers to their storage.
 
@@ -52,12 +58,13 @@ class ReusedBuffers:
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(int(s) for s in size)
-        for i, (buffer, idle_users) in enumerate(self._buffers):
-            if buffer.dtype == dtype and buffer.numel() == numel and _storage_users(buffer) == idle_users:
+        for i, entry in enumerate(self._buffers):
+            buffer = entry[0]
+            if buffer.dtype == dtype and buffer.numel() == numel and _idle(entry):
                 self._buffers.append(self._buffers.pop(i))  # most recently used last
                 return buffer.view(*size)
         if len(self._buffers) >= self.capacity:
-            free = [i for i, (buffer, idle) in enumerate(self._buffers) if _storage_users(buffer) == idle]
+            free = [i for i, entry in enumerate(self._buffers) if _idle(entry)]
             if not free:
                 return torch.empty(*size, dtype=dtype, device=device)
             del self._buffers[free[0]]
