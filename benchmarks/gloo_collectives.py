@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, machine, median, write_json
 from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
+from lightning_shard.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter, SharedMemoryTransport
 
 SIZES = {"one block": 3_152_384, "whole model": 19_177_472}
 CPU = torch.device("cpu")
@@ -48,6 +49,8 @@ def _cases(numel: int, world: int, rank: int) -> dict:
     output = torch.empty(numel)
     own_chunk = output.chunk(world)[rank]
     gloo_all_gather, gloo_reduce_scatter = GlooAllGather(), GlooReduceScatter()
+    transport = SharedMemoryTransport()
+    shm_all_gather, shm_reduce_scatter = SharedMemoryAllGather(transport), SharedMemoryReduceScatter(transport)
     source = torch.randn(numel)
     reused = torch.empty(numel)
 
@@ -59,10 +62,17 @@ def _cases(numel: int, world: int, rank: int) -> dict:
         "all_gather: GlooAllGather (list all-gather into views)": lambda: gloo_all_gather(
             output, own_chunk, dist.group.WORLD
         ),
+        "all_gather: SharedMemoryAllGather (shared segment + barrier)": lambda: shm_all_gather(
+            output, own_chunk, dist.group.WORLD
+        ),
         "reduce_scatter: FSDP2 default (reduce_scatter_single)": lambda: dist.reduce_scatter_single(shard, full),
         "reduce_scatter: GlooReduceScatter (all-reduce + copy)": lambda: gloo_reduce_scatter(
             shard, full, dist.group.WORLD, dist.ReduceOp.SUM
         ),
+        "reduce_scatter: SharedMemoryReduceScatter (shared segment + barrier)": lambda: shm_reduce_scatter(
+            shard, full, dist.group.WORLD, dist.ReduceOp.SUM
+        ),
+        "barrier": lambda: dist.barrier(),
         "copy: into a fresh buffer": fresh_copy,
         "copy: into a reused buffer": lambda: reused.copy_(source),
     }

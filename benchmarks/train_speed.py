@@ -27,7 +27,9 @@ Configurations (``CONFIGS``):
                  DDPStrategy does (commit f2e3f93); since then plain ``fs`` sets the same thread count.
   fs_both        explicit forward + backward prefetch (from outside) + fs_last;  fs_all: fs_threads + fs_both.
   fs_fsdpcomms   fs with FSDP2's own ``all_gather_single`` / ``reduce_scatter_single`` put back in place of
-                 ``lightning_shard.gloo_comms`` (what the strategy did before it installed them).
+                 the strategy's collectives (what the strategy did before it installed ``gloo_comms``).
+  fs_gloocomms   fs with ``lightning_shard.gloo_comms`` put back in place of ``shm_comms`` (gloo carries the data;
+                 what the strategy did before it installed ``shm_comms``).
   fs_nocomm      diagnostic: fs with the all-gather skipped and the reduce-scatter a local copy, so FSDP2's own work
                  (copies, hooks, allocation) is timed without communication; its losses are meaningless.
   fs_notrim      fs without ``lightning_shard.cpu_heap``'s trim after each optimizer step (replaced by a no-op in
@@ -65,6 +67,7 @@ EXTRA_CONFIGS = [
     "fs_mmap",
     "ddp_mmap",
     "fs_fsdpcomms",
+    "fs_gloocomms",
     "fs_nocomm",
     "fs_notrim",
 ]
@@ -95,6 +98,7 @@ DESCRIPTIONS = {
     "fs_mmap": "FULL_SHARD + MALLOC_MMAP_THRESHOLD_=131072 in the environment (fixed glibc mmap threshold)",
     "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
     "fs_fsdpcomms": "FULL_SHARD with FSDP2's default gloo collectives put back (from outside), i.e. before gloo_comms",
+    "fs_gloocomms": "FULL_SHARD with gloo_comms put back (from outside), i.e. before shm_comms",
     "fs_nocomm": "FULL_SHARD with no communication at all (diagnostic: wrong numbers, FSDP2's own cost)",
     "fs_notrim": "FULL_SHARD without the heap trim after each optimizer step (from outside), i.e. before cpu_heap",
 }
@@ -104,7 +108,8 @@ DESCRIPTIONS = {
 
 
 def _replacement_comms(kind: str) -> tuple[Any, Any]:
-    """FSDP2's default collectives (``"fsdp"``), or ones that communicate nothing (``"none"``, for timing only)."""
+    """FSDP2's default collectives (``"fsdp"``), ``gloo_comms``' (``"gloo"``), or ones that communicate nothing
+    (``"none"``, for timing only)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
@@ -119,6 +124,8 @@ def _replacement_comms(kind: str) -> tuple[Any, Any]:
 
     if kind == "fsdp":
         return DefaultAllGather(), DefaultReduceScatter()
+    if kind == "gloo":
+        return GlooAllGather(), GlooReduceScatter()
     return LocalAllGather(), LocalReduceScatter()
 
 
@@ -198,7 +205,7 @@ def _worker(args: argparse.Namespace) -> None:
             self, prefetch: bool, keep_last: bool, threads: bool, foreach: bool = False, comms: str | None = None
         ) -> None:
             self.prefetch, self.keep_last, self.threads, self.foreach = prefetch, keep_last, threads, foreach
-            self.comms = comms  # None: the strategy's; "fsdp": FSDP2's defaults; "none": no communication
+            self.comms = comms  # None: the strategy's; "fsdp": FSDP2's defaults; "gloo": gloo_comms; "none": nothing
 
         def setup(self, trainer, pl_module, stage) -> None:
             if self.threads:
@@ -250,14 +257,23 @@ def _worker(args: argparse.Namespace) -> None:
             activation_checkpointing=["Block"] if config.endswith("_ac") else None,
             forward_prefetch=config == "fs_prefetch",
         )
-        if config in ("fs_threads", "fs_last", "fs_both", "fs_all", "fs_foreach", "fs_fsdpcomms", "fs_nocomm"):
+        if config in (
+            "fs_threads",
+            "fs_last",
+            "fs_both",
+            "fs_all",
+            "fs_foreach",
+            "fs_fsdpcomms",
+            "fs_gloocomms",
+            "fs_nocomm",
+        ):
             callbacks.append(
                 OutsideTweaks(
                     prefetch=config in ("fs_both", "fs_all"),
                     keep_last=config in ("fs_last", "fs_both", "fs_all"),
                     threads=config in ("fs_threads", "fs_all"),
                     foreach=config == "fs_foreach",
-                    comms={"fs_fsdpcomms": "fsdp", "fs_nocomm": "none"}.get(config),
+                    comms={"fs_fsdpcomms": "fsdp", "fs_gloocomms": "gloo", "fs_nocomm": "none"}.get(config),
                 )
             )
     timer = StepTimer()

@@ -8,7 +8,9 @@ fragmented heap; the buffers here are reused. ``benchmarks/gloo_collectives.py``
 block of 3.15M fp32 parameters: reduce-scatter 1.3x faster, a copy into a reused buffer 1.5x faster than into a
 fresh one; for the whole 19M-parameter model 2.0x and 3.2x). ``tests/test_gloo_comms.py`` checks the bytes.
 
-NCCL meshes keep FSDP2's defaults: there both collectives are native.
+Ranks on one host use ``shm_comms``, which builds on these classes (their buffer pool, and them as the fall-back
+for groups that span hosts or cannot get shared memory). NCCL meshes keep FSDP2's defaults: there both collectives
+are native.
 """
 
 from __future__ import annotations
@@ -123,15 +125,14 @@ class GlooReduceScatter(ReusedBuffers, ReduceScatter):
         return None
 
 
-def install_gloo_collectives(model: nn.Module) -> int:
-    """Give every FSDP module in ``model`` the gloo collectives above; return how many modules got them.
+def install_collectives(model: nn.Module, all_gather: AllGather, reduce_scatter: ReduceScatter) -> int:
+    """Give every FSDP module in ``model`` the same two collectives; return how many modules got them.
 
     Example:
         >>> fully_shard(block, mesh=cpu_mesh); fully_shard(model, mesh=cpu_mesh)  # doctest: +SKIP
-        >>> install_gloo_collectives(model)  # doctest: +SKIP
+        >>> install_collectives(model, GlooAllGather(), GlooReduceScatter())  # doctest: +SKIP
         2
     """
-    all_gather, reduce_scatter = GlooAllGather(), GlooReduceScatter()
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for module in modules:
         module.set_custom_all_gather(all_gather)

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_shard.config import ShardingConfig
-from lightning_shard.gloo_comms import install_gloo_collectives
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.shm_comms import install_shared_memory_collectives
 from lightning_shard.wrap import select_modules
 
 
@@ -79,7 +79,7 @@ def parallelize_module(
     # The root keeps its parameters gathered after forward (FSDP's default): backward needs them first.
     shard(model)
     if mesh.device_type == "cpu":
-        install_gloo_collectives(model)
+        install_shared_memory_collectives(model)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
 

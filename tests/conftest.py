@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,3 +29,16 @@ def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check:
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.stdout
+
+
+def run_torchrun_result(nproc: int, script: str, *args: str, timeout: float = 240) -> dict:
+    """Run ``script`` on ``nproc`` gloo ranks with torchrun; return the JSON of its ``RESULT <json>`` line."""
+    out = run_script("-m", "torch.distributed.run", f"--nproc_per_node={nproc}", script, *args, timeout=timeout)
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.fixture(scope="session")
+def cpu_comms_result() -> dict:
+    """``tests/cpu_comms_run.py`` on 2 ranks: the CPU collectives against FSDP2's defaults (both comm test files)."""
+    return run_torchrun_result(2, "tests/cpu_comms_run.py")

@@ -1,14 +1,12 @@
 """``lightning_shard.gloo_comms``: the buffer pool's reuse rules, and the gloo collectives against FSDP2's defaults
-(``tests/gloo_comms_run.py`` on 2 ranks: the same bytes, and the same training to the last bit)."""
+(``tests/cpu_comms_run.py`` on 2 ranks: the same bytes, and the same training to the last bit)."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 import torch
-from conftest import run_script
 
 from lightning_shard.gloo_comms import GlooReduceScatter, ReusedBuffers
 
@@ -81,21 +79,18 @@ def test_reduce_scatter_pools_its_inputs_but_not_the_outputs_that_become_gradien
     assert gradient.numel() == 4
 
 
-@pytest.fixture(scope="module")
-def two_rank_result() -> dict:
-    out = run_script("-m", "torch.distributed.run", "--nproc_per_node=2", "tests/gloo_comms_run.py", timeout=240)
-    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+def gloo_cases(result: dict) -> list[dict]:
+    return [c for c in result["collectives"] if c["implementation"] == "gloo"]
 
 
-def test_collectives_write_the_bytes_fsdp2s_defaults_write(two_rank_result) -> None:
-    cases = two_rank_result["collectives"]
-    assert len(cases) == 2 * 3 * 2  # dtypes x sizes x ops
-    assert [c for c in cases if not (c["all_gather_equal"] and c["reduce_scatter_equal"])] == []
+def test_collectives_write_the_bytes_fsdp2s_defaults_write(cpu_comms_result) -> None:
+    cases = gloo_cases(cpu_comms_result)
+    assert len(cases) == 2 * 3 * 3  # dtypes x sizes x (all-gather, reduce-scatter SUM, AVG)
+    assert [c for c in cases if not c["equal"]] == []
 
 
-def test_training_with_gloo_collectives_equals_fsdp2_defaults(two_rank_result) -> None:
-    training = two_rank_result["training"]
+def test_training_with_gloo_collectives_equals_fsdp2_defaults(cpu_comms_result) -> None:
+    training = cpu_comms_result["training"]["gloo"]
     assert training["installed"] == ["GlooAllGather", "GlooReduceScatter"]
     assert training["loss_diff"] == 0.0
     assert training["weight_diff"] == 0.0

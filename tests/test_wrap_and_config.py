@@ -18,9 +18,9 @@ from toy import Block, ToyModel
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
 from lightning_shard.auto_sharding import choose_sharding
-from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
 from lightning_shard.materialize import materialize_sharded_module
 from lightning_shard.parallelize import parallelize_module
+from lightning_shard.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter
 from lightning_shard.wrap import candidate_block_classes, select_modules
 
 
@@ -68,14 +68,15 @@ def test_wrap_policy_forms_select_units(mesh, policy, expected) -> None:
     assert unit_names(ToyModel(), mesh, auto_wrap_policy=policy) == expected
 
 
-def test_a_cpu_mesh_gets_the_gloo_collectives_on_every_unit(mesh) -> None:
+def test_a_cpu_mesh_gets_the_shared_memory_collectives_on_every_unit(mesh) -> None:
     model = ToyModel()
     unit_names(model, mesh, auto_wrap_policy={Block})
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
     assert len(groups) == 4
-    assert {type(g._all_gather_comm) for g in groups} == {GlooAllGather}
-    assert {type(g._reduce_scatter_comm) for g in groups} == {GlooReduceScatter}
+    assert {type(g._all_gather_comm) for g in groups} == {SharedMemoryAllGather}
+    assert {type(g._reduce_scatter_comm) for g in groups} == {SharedMemoryReduceScatter}
     assert len({id(g._all_gather_comm) for g in groups}) == 1  # one pool of buffers shared by all units
+    assert len({id(g._reduce_scatter_comm.transport) for g in groups}) == 1  # and one pair of shared segments
 
 
 def test_forward_prefetch_links_each_unit_to_the_next(mesh) -> None:
