@@ -1,11 +1,12 @@
-"""The measurements behind ``lightning_shard/gloo_comms.py``: gloo's collectives as FSDP2 calls them against the
-replacements, and a copy into a fresh buffer against a copy into a reused one, on 2 CPU ranks.
+"""The measurements behind ``lightning_shard/gloo_comms.py`` and ``lightning_shard/shm_comms.py``: gloo's collectives
+as FSDP2 calls them against the replacements (gloo-only and shared-memory), a gloo barrier alone, and a copy into a
+fresh buffer against a copy into a reused one, on 2 CPU ranks.
 
     python benchmarks/gloo_collectives.py        # -> benchmarks/results/gloo_collectives.json
 
 Sizes: one block of the ``train_speed`` GPT (3,152,384 fp32 parameters; n_embd 512) and the whole model
-(19,177,472). Per case the median of ``--repeats`` calls (a barrier before each, so each call starts together),
-the slower rank's time.
+(19,177,472; the shared-memory collectives move it in pieces of one 16 MiB segment). Per case the median of
+``--repeats`` calls (a barrier before each, so each call starts together), the slower rank's time.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import os
 import socket
 import uuid
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +33,9 @@ from torch import nn
 from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
 
 SHM_DIR = Path("/dev/shm")
-_ALIGN = 1 << 20  # segment sizes grow in whole MiB, so a few slightly larger units do not each remap it
+# Per segment, two per process group. A collective larger than a segment runs in pieces, one barrier each: at 16 MiB
+# a barrier (0.1-0.3 ms) costs a few percent of the copies, and two segments fit in Docker's default 64 MiB /dev/shm.
+SEGMENT_BYTES = 16 << 20
 
 
 def _host_identity() -> str:
@@ -67,12 +69,14 @@ def _reserve_segment(path: Path, nbytes: int) -> torch.Tensor | None:
 
 @dataclass
 class _GroupSegments:
-    """One process group's two shared segments, taken in turn; ``None`` once the group fell back to gloo."""
+    """One process group's two shared segments, taken in turn by its collectives."""
 
-    token: str
-    segments: list[torch.Tensor | None] = field(default_factory=lambda: [None, None])
-    generation: int = 0
+    segments: tuple[torch.Tensor, torch.Tensor]
     calls: int = 0
+
+    def next(self) -> torch.Tensor:
+        self.calls += 1
+        return self.segments[self.calls % 2]
 
 
 class SharedMemoryTransport:
@@ -83,66 +87,50 @@ class SharedMemoryTransport:
         >>> all_gather, reduce_scatter = SharedMemoryAllGather(transport), SharedMemoryReduceScatter(transport)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.segment_bytes = segment_bytes
         self._groups: dict[str, _GroupSegments | None] = {}
 
-    def segment(self, group: dist.ProcessGroup, nbytes: int) -> torch.Tensor | None:
-        """The group's segment for its next collective, at least ``nbytes`` long; ``None`` means use gloo.
-
-        Collective: every rank of ``group`` calls it for the same collective, with the same ``nbytes``.
-        """
+    def segments(self, group: dist.ProcessGroup) -> _GroupSegments | None:
+        """The group's segments; ``None`` means use gloo. Collective on first use: every rank of ``group`` calls
+        it for the same collective."""
         name = group.group_name
         if name not in self._groups:
             self._groups[name] = self._join(group)
-        state = self._groups[name]
-        if state is None:
-            return None
-        index = state.calls % 2
-        state.calls += 1
-        current = state.segments[index]
-        if current is None or current.numel() < nbytes:
-            current = self._grow(group, state, index, nbytes)
-            if current is None:
-                self._groups[name] = None
-                return None
-        return current
+        return self._groups[name]
 
-    @staticmethod
-    def _join(group: dist.ProcessGroup) -> _GroupSegments | None:
-        """Agree on the group's segment name, or on gloo when its ranks are not all on this host."""
-        if not SHM_DIR.is_dir():
-            identity: tuple[str, str] | None = None
-        else:
-            identity = (_host_identity(), uuid.uuid4().hex)
+    def _join(self, group: dist.ProcessGroup) -> _GroupSegments | None:
+        """Map the group's two segments on every rank, or agree on gloo: ranks on several hosts, or no space."""
+        identity = (_host_identity(), uuid.uuid4().hex) if SHM_DIR.is_dir() else None
         identities: list[tuple[str, str] | None] = [None] * group.size()
         dist.all_gather_object(identities, identity, group=group)
         if any(i is None for i in identities) or len({i[0] for i in identities}) > 1:
             return None
-        return _GroupSegments(token=identities[0][1])
-
-    @staticmethod
-    def _grow(group: dist.ProcessGroup, state: _GroupSegments, index: int, nbytes: int) -> torch.Tensor | None:
-        size = -(-nbytes // _ALIGN) * _ALIGN
-        state.generation += 1
-        path = SHM_DIR / f"lightning-shard-{state.token}-{state.generation}"
-        segment = _reserve_segment(path, size)
-        reserved = torch.tensor([segment is not None], dtype=torch.int32)
-        dist.all_reduce(reserved, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped the file
-        path.unlink(missing_ok=True)  # the mappings outlive the name, and nothing is left behind on a crash
+        paths = [SHM_DIR / f"lightning-shard-{identities[0][1]}-{i}" for i in range(2)]
+        segments = [_reserve_segment(path, self.segment_bytes) for path in paths]
+        reserved = torch.tensor([all(s is not None for s in segments)], dtype=torch.int32)
+        dist.all_reduce(reserved, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped both files
+        for path in paths:
+            path.unlink(missing_ok=True)  # the mappings outlive the names, and nothing is left behind on a crash
         if not reserved.item():
             warnings.warn(
-                f"lightning_shard: could not reserve {size} bytes of shared memory in {SHM_DIR} for FSDP's "
-                "collectives; this process group uses gloo's instead (slower). Give the container more shared "
-                "memory (e.g. `docker run --shm-size=2g`) to get the faster path.",
-                stacklevel=3,
+                f"lightning_shard: could not reserve 2 x {self.segment_bytes} bytes of shared memory in {SHM_DIR} for "
+                "FSDP's collectives; this process group uses gloo's instead (slower). Give the container more shared "
+                "memory (e.g. `docker run --shm-size=1g`) to get the faster path.",
+                stacklevel=4,
             )
             return None
-        state.segments[index] = segment
-        return segment
+        return _GroupSegments((segments[0], segments[1]))
+
+
+def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
+    """``(start, length)`` pieces of ``range(numel)``, at most ``per_piece`` long (at least 1)."""
+    step = max(1, per_piece)
+    return [(start, min(step, numel - start)) for start in range(0, numel, step)]
 
 
 class SharedMemoryAllGather(GlooAllGather):
-    """All-gather: each rank writes its shard into its slot of the shared segment and reads the others'."""
+    """All-gather: each rank writes its shard into its slot of a shared segment and reads the others' slots."""
 
     def __init__(self, transport: SharedMemoryTransport, capacity: int = 4) -> None:
         super().__init__(capacity)
@@ -155,25 +143,27 @@ class SharedMemoryAllGather(GlooAllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        nbytes = output_tensor.numel() * output_tensor.element_size()
-        segment = self.transport.segment(group, nbytes)
-        if segment is None:
+        shared = self.transport.segments(group)
+        if shared is None:
             return super().__call__(output_tensor, input_tensor, group, async_op)
         world, rank = group.size(), group.rank()
-        slots = segment[:nbytes].view(output_tensor.dtype).view(world, -1)
         chunks = output_tensor.view(world, -1)
-        slots[rank].copy_(input_tensor)
-        dist.barrier(group=group)
-        for source in range(world):
-            if source != rank:
-                chunks[source].copy_(slots[source])
+        per_piece = self.transport.segment_bytes // (world * output_tensor.element_size())
+        for start, length in _pieces(chunks.size(1), per_piece):
+            slots = shared.next()[: world * length * output_tensor.element_size()].view(output_tensor.dtype)
+            slots = slots.view(world, length)
+            slots[rank].copy_(input_tensor[start : start + length])
+            dist.barrier(group=group)
+            for source in range(world):
+                if source != rank:
+                    chunks[source, start : start + length].copy_(slots[source])
         if input_tensor.data_ptr() != chunks[rank].data_ptr():  # FSDP2 passes a view of the output: nothing to do
             chunks[rank].copy_(input_tensor)
         return None  # done: FSDP2 waits only on a returned work
 
 
 class SharedMemoryReduceScatter(GlooReduceScatter):
-    """Reduce-scatter: each rank writes every other rank's chunk of its input into the shared segment, then sums the
+    """Reduce-scatter: each rank writes every other rank's chunk of its input into a shared segment, then sums the
     contributions to its own chunk. SUM and AVG only (what FSDP2 asks of a CPU group); other ops go to gloo."""
 
     def __init__(self, transport: SharedMemoryTransport, capacity: int = 4) -> None:
@@ -188,28 +178,28 @@ class SharedMemoryReduceScatter(GlooReduceScatter):
         op: dist.ReduceOp,
         async_op: bool = False,
     ) -> dist.Work | None:
-        world, rank = group.size(), group.rank()
-        chunk_bytes = output_tensor.numel() * output_tensor.element_size()
-        # Slot [source, j] holds source's chunk for the j-th other rank: (world - 1) chunks per source.
-        nbytes = world * (world - 1) * chunk_bytes
-        segment = None if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) else self.transport.segment(group, nbytes)
-        if segment is None or async_op:
+        shared = self.transport.segments(group) if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) else None
+        if shared is None or async_op:
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        slots = segment[:nbytes].view(output_tensor.dtype).view(world, world - 1, -1)
+        world, rank = group.size(), group.rank()
         chunks = input_tensor.view(world, -1)
-        for dest in range(world):
-            if dest != rank:
-                slots[rank, dest - (dest > rank)].copy_(chunks[dest])
-        dist.barrier(group=group)
-        # Sum in rank order, as gloo does, so that the bytes match.
-        first = True
-        for source in range(world):
-            part = chunks[rank] if source == rank else slots[source, rank - (rank > source)]
-            if first:
-                output_tensor.copy_(part)
-                first = False
-            else:
-                output_tensor.add_(part)
+        per_piece = self.transport.segment_bytes // (world * (world - 1) * output_tensor.element_size())
+        for start, length in _pieces(output_tensor.numel(), per_piece):
+            # Slot [source, j] holds source's piece for the j-th other rank: (world - 1) pieces per source.
+            slots = shared.next()[: world * (world - 1) * length * output_tensor.element_size()]
+            slots = slots.view(output_tensor.dtype).view(world, world - 1, length)
+            for dest in range(world):
+                if dest != rank:
+                    slots[rank, dest - (dest > rank)].copy_(chunks[dest, start : start + length])
+            dist.barrier(group=group)
+            # Sum in rank order, as gloo does for 2 ranks, so that the bytes match.
+            out = output_tensor[start : start + length]
+            for source in range(world):
+                part = chunks[rank, start : start + length] if source == rank else slots[source, rank - (rank > source)]
+                if source == 0:
+                    out.copy_(part)
+                else:
+                    out.add_(part)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(world)
         return None

@@ -6,10 +6,10 @@ by default, on 2 (or more) gloo ranks.
 Prints one ``RESULT <json>`` line from rank 0:
   collectives: for each (implementation, dtype, op, numel), on the worst rank, the largest difference between what
                the implementation wrote and what ``all_gather_single`` / ``reduce_scatter_single`` write (also in
-               units of the last place of the largest value summed), and whether the bytes are equal. The cases run back
-               to back, so the shared segments are taken in turn and grown on the way; one rank is slowed down
-               after every barrier, so a rank that wrote into a segment the other still reads would show up as a
-               difference.
+               units of the last place of the largest value summed), and whether the bytes are equal. The cases run
+               back to back, so the shared segments are taken in turn (also with segments of 64 KiB, where the
+               larger cases run in pieces); one rank is slowed down after every barrier, so a rank that wrote into a
+               segment the other still reads would show up as a difference.
   training:    (not with ``--collectives-only``) the toy model's blocks sharded by ``fully_shard`` from the same
                weights, with FSDP2's default comms and with each installer (the shared-memory one also when the
                ranks claim different hosts, and when one rank cannot reserve its segment); 6 AdamW steps on
@@ -83,9 +83,11 @@ def reference_cases(rank: int, world: int) -> list[dict]:
 def compare_collectives(rank: int, world: int) -> list[dict]:
     cases = reference_cases(rank, world)
     transport = shm_comms.SharedMemoryTransport()
+    small = shm_comms.SharedMemoryTransport(segment_bytes=1 << 16)  # the largest cases run in 19-37 pieces
     implementations = {
         "gloo": (GlooAllGather(), GlooReduceScatter()),
         "shm": (shm_comms.SharedMemoryAllGather(transport), shm_comms.SharedMemoryReduceScatter(transport)),
+        "shm in pieces": (shm_comms.SharedMemoryAllGather(small), shm_comms.SharedMemoryReduceScatter(small)),
     }
     results = []
     for name, (all_gather, reduce_scatter) in implementations.items():

@@ -18,19 +18,21 @@ from lightning_shard import shm_comms
 
 
 def shm_cases(result: dict) -> list[dict]:
-    return [c for c in result["collectives"] if c["implementation"] == "shm"]
+    """Whole segments and 64 KiB segments (collectives in pieces)."""
+    return [c for c in result["collectives"] if c["implementation"].startswith("shm")]
 
 
 def test_two_ranks_write_the_bytes_fsdp2s_defaults_write(cpu_comms_result) -> None:
     cases = shm_cases(cpu_comms_result)
-    assert len(cases) == 2 * 3 * 3  # dtypes x sizes x (all-gather, reduce-scatter SUM, AVG), one rank slowed down
+    # segment sizes x dtypes x sizes x (all-gather, reduce-scatter SUM, AVG), one rank slowed down
+    assert len(cases) == 2 * 2 * 3 * 3
     assert [c for c in cases if not c["equal"]] == []
 
 
 def test_three_ranks_gather_the_same_bytes_and_reduce_within_one_rounding() -> None:
     result = run_torchrun_result(3, "tests/cpu_comms_run.py", "--collectives-only")
     cases = shm_cases(result)
-    assert result["world"] == 3 and len(cases) == 18
+    assert result["world"] == 3 and len(cases) == 36
     assert [c for c in cases if c["collective"] == "all_gather" and not c["equal"]] == []
     # gloo sums the three contributions in another order: the last place of the largest value may differ
     assert max(c["ulps"] for c in cases) <= 2.0
@@ -51,6 +53,11 @@ def test_a_group_that_cannot_share_memory_falls_back_to_gloo_on_every_rank(cpu_c
     assert (training["loss_diff"], training["weight_diff"]) == (0.0, 0.0)
     if "no segment" in case:
         assert "--shm-size" in training["warnings"][0]
+
+
+def test_pieces_cover_the_range_once_in_order() -> None:
+    assert shm_comms._pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert shm_comms._pieces(3, 8) == [(0, 3)]
 
 
 def test_a_reserved_segment_is_a_shared_writable_mapping(tmp_path) -> None:
