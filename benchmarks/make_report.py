@@ -204,6 +204,7 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
                 "sgo_ac",
                 "ns",
                 "ns_ac",
+                "fs_gloocomms",
                 "fs_fsdpcomms",
                 "fs_notrim",
                 "fs_nocomm",
@@ -252,6 +253,7 @@ def targets_section(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 # Variants that take a change of the strategy out again: fs against them is what the change bought.
 IN_STRATEGY = {
+    "fs_gloocomms": "the shared-memory collectives",
     "fs_fsdpcomms": "the gloo collectives + reused buffers",
     "fs_notrim": "the heap trim",
 }
@@ -265,8 +267,9 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "## What each change bought",
         "",
         'Each idea applied to `ShardedStrategy("FULL_SHARD")` from the outside (a callback in '
-        "`benchmarks/train_speed.py`), measured in the same alternating rounds as the baseline `fs`; `fs_fsdpcomms` "
-        "takes the strategy's gloo collectives out again, so its row reads the other way round. "
+        "`benchmarks/train_speed.py`), measured in the same alternating rounds as the baseline `fs`; `fs_gloocomms`, "
+        "`fs_fsdpcomms` and `fs_notrim` take a change of the strategy out again, so their rows read the other way "
+        "round. "
         "Gain = `fs` median step / variant median step - 1 (positive: faster); per round: the same "
         "from the two launches of that round.",
         "",
@@ -277,6 +280,7 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
     for label, s, data in runs:
         for name in (
             "fs",
+            "fs_gloocomms",
             "fs_fsdpcomms",
             "fs_notrim",
             "fs_threads",
@@ -339,10 +343,20 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
     lines += [
         "The changes, and where they stand:",
         "",
-        "1. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: "
+        "1. **Shared-memory collectives - in the strategy** (`fs` vs `fs_gloocomms`: "
+        f"{strategy_gain('fs_gloocomms')}; peak RSS `fs` {rss('fs', 'main run')} against `fs_gloocomms` "
+        f"{rss('fs_gloocomms', 'main run')} and `ddp` {rss('ddp', 'main run')}). The diagnostic run had shown that "
+        "FULL_SHARD without communication runs at DDP's speed, so the gap was the collectives: gloo sends every byte "
+        "through the loopback TCP stack. `lightning_shard/shm_comms.py` keeps gloo for synchronisation only (one "
+        "barrier per collective) and moves the data through two shared-memory segments per process group, taken in "
+        "turn. Measured alone (*CPU collectives and buffers*) its all-gather and reduce-scatter are 4-7x and 3-4x "
+        "faster than gloo's. Groups that span hosts, or that cannot reserve the segment in `/dev/shm`, fall back "
+        "to `gloo_comms` on every rank. 2 ranks write the bytes of FSDP2's defaults and train bit-identically "
+        "(`tests/test_shm_comms.py`).",
+        "2. **gloo collectives and reused comm buffers - in the strategy** (`fs` vs `fs_fsdpcomms`: "
         f"{strategy_gain('fs_fsdpcomms')}; "
-        f"peak RSS `fs` {rss('fs', 'main run')} against `fs_fsdpcomms` {rss('fs_fsdpcomms', 'main run')} and `ddp` "
-        f"{rss('ddp', 'main run')}). "
+        f"peak RSS `fs` {rss('fs', 'gloo main run')} against `fs_fsdpcomms` {rss('fs_fsdpcomms', 'gloo main run')} "
+        f"and `ddp` {rss('ddp', 'gloo main run')}). "
         "Found by profiling (torch.profiler, a plain FSDP2 loop on 2 gloo ranks) and by the microbenchmarks in "
         "*gloo collectives and buffers*: gloo's `reduce_scatter_single` is slower than an all-reduce plus a copy of "
         "this rank's chunk, its `all_gather_single` no faster than its list all-gather, and a copy into a fresh "
@@ -352,8 +366,8 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "`lightning_shard/gloo_comms.py` installs both collectives through FSDP2's `set_custom_all_gather` / "
         "`set_custom_reduce_scatter` on CPU meshes, with a pool that hands a comm buffer out again once nothing "
         "refers to its storage (at most 4 buffers per collective). Results are bit-identical to FSDP2's defaults "
-        "(`tests/test_gloo_comms.py`). A fixed glibc mmap threshold (item 7) lowered RSS too, but slowed every step.",
-        f"2. **Heap trim every 5 optimizer steps - in the strategy** (`fs` vs `fs_notrim`: "
+        "(`tests/test_gloo_comms.py`). A fixed glibc mmap threshold (item 8) lowered RSS too, but slowed every step.",
+        f"3. **Heap trim every 5 optimizer steps - in the strategy** (`fs` vs `fs_notrim`: "
         f"{strategy_gain('fs_notrim', 'trim check')}; peak RSS `fs` {rss('fs', 'trim check')} against `fs_notrim` "
         f"{rss('fs_notrim', 'trim check')} and `ddp` {rss('ddp', 'trim check')}). With the pool alone, peak RSS still "
         "crept up with the step count (the long run: 1.06x DDP over 22 steps), because FSDP2 also frees and "
@@ -362,38 +376,58 @@ def changes_section(runs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> l
         "(`ShardedStrategy.optimizer_step`), so the free pages go back to the OS. Trimming after every step (the "
         f"trim run and the every-step check: {strategy_gain('fs_notrim', 'every-step trim')}) cost step time, "
         "because the next step faults the pages in again.",
-        f"3. **Thread count on every rank - in the strategy since commit f2e3f93** (`fs_threads`: "
+        f"4. **Thread count on every rank - in the strategy since commit f2e3f93** (`fs_threads`: "
         f"{gain('fs_threads')}; run 2 round 0 alone is the clean pair). `ShardedStrategy._configure_launcher` used to "
         "return early on the ranks the popen launcher starts, so they never ran the launcher's "
         "`_set_num_threads_if_needed` and kept torch's default of all cores (rank 0 ran 1 thread, rank 1 ran 2 on 2 "
         "cores). It now builds the launcher on every rank, as `DDPStrategy` does.",
-        f"4. **Keep the last Block gathered after forward - not adopted** (`fs_last`: {gain('fs_last')}): "
+        f"5. **Keep the last Block gathered after forward - not adopted** (`fs_last`: {gain('fs_last')}): "
         "`units[-1].set_reshard_after_forward(False)` saves one all-gather per step at the cost of one block's "
         "unsharded parameters between forward and backward. No gain beyond noise here.",
-        f"5. **Explicit prefetch - not adopted** (`fs_prefetch`: {gain('fs_prefetch')}): "
+        f"6. **Explicit prefetch - not adopted** (`fs_prefetch`: {gain('fs_prefetch')}): "
         "`units[i].set_modules_to_forward_prefetch([units[i + 1]])` and "
         "`units[i].set_modules_to_backward_prefetch([units[i - 1]])`. On CPU, FSDP2 has no copy/communication "
         "streams; an early all-gather can only overlap through gloo's worker thread, which competes with compute "
         "for the same two cores. Both are GPU-stream optimisations that this machine cannot judge.",
-        f"6. **AdamW foreach - the user's choice** (`fs_foreach`: {gain('fs_foreach')}; `ddp_foreach` vs `ddp` is "
+        f"7. **AdamW foreach - the user's choice** (`fs_foreach`: {gain('fs_foreach')}; `ddp_foreach` vs `ddp` is "
         "the same change for DDP). On CPU torch picks the per-parameter loop, and under FSDP2 every elementwise op of "
         "it dispatches through DTensor. It is set in the user's `configure_optimizers` (`foreach=True`).",
-        f"7. **Fixed glibc mmap threshold - not adopted** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` "
+        f"8. **Fixed glibc mmap threshold - not adopted** (`fs_mmap`: peak RSS {rss('fs_mmap')} vs `fs` "
         f"{rss('fs')}; `ddp_mmap` {rss('ddp_mmap')} vs `ddp` {rss('ddp')}; step times in run 3's table). "
         "`MALLOC_MMAP_THRESHOLD_=131072` returns freed buffers to the OS, but every step then maps and zero-fills them "
-        "again: +13% to +81% step time. Items 1 and 2 reach the memory target without that cost.",
+        "again: +13% to +81% step time. Items 2 and 3 reach the memory target without that cost.",
         "",
     ]
     return lines
 
 
 MAIN_NOTE = (
-    "All configurations with `gloo_comms`, before the heap trim. On CPU meshes the strategy installs "
-    "`lightning_shard.gloo_comms` (gloo "
-    "list all-gather, all-reduce + copy in place of reduce-scatter, reused comm buffers). `fs_fsdpcomms` is the "
-    "same FULL_SHARD run with FSDP2's default collectives put back, in the same rounds, so `fs` against it is what "
-    "the change bought. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_fsdpcomms fs_ac sgo "
-    "sgo_ac ns ns_ac --rounds 2`."
+    "Every configuration with the shared-memory collectives (commit 0a04d29, where a group's segments still grew "
+    "to its largest unit; every unit of this model fits in one 16 MiB piece, so commit 32eaad3 runs it the same "
+    "way): on CPU ranks of one host FSDP2's collectives move their "
+    "data through shared memory (`lightning_shard/shm_comms.py`), and the heap is trimmed every 5 optimizer steps. "
+    "`fs_gloocomms` is the same FULL_SHARD run with `gloo_comms` put back (gloo carries the data, as before "
+    "`shm_comms`), so `fs` against it is what the change bought. 20 timed steps per launch. Command: `python "
+    "benchmarks/train_speed.py --configs ddp anchor fs fs_gloocomms fs_ac sgo sgo_ac ns ns_ac --rounds 2 --steps 20`."
+)
+LONG_SHM_NOTE = (
+    "The targets' configurations and `fs_gloocomms` with 3 rounds of 20 timed steps, for tighter medians, on commit "
+    "32eaad3 (segments reserved once, collectives in 16 MiB pieces). Command: `python benchmarks/train_speed.py "
+    "--configs ddp anchor fs fs_gloocomms sgo --rounds 3 --steps 20 --output "
+    "benchmarks/results/train_speed_long_shm.json`."
+)
+SHM_FIRST_NOTE = (
+    "The first run with `shm_comms` (the working tree of commit 0a04d29), the targets' configurations and "
+    "`fs_gloocomms`, 8 timed steps. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_gloocomms "
+    "sgo --rounds 2 --output benchmarks/results/train_speed_shm.json`."
+)
+GLOO_MAIN_NOTE = (
+    "The main run of the previous round (its output moved to `benchmarks/results/train_speed_gloo.json`): all "
+    "configurations with `gloo_comms`, before the heap trim and before `shm_comms`. On CPU meshes the strategy "
+    "installed `lightning_shard.gloo_comms` (gloo list all-gather, all-reduce + copy in place of reduce-scatter, "
+    "reused comm buffers). `fs_fsdpcomms` is the same FULL_SHARD run with FSDP2's default collectives put back, in "
+    "the same rounds, so `fs` against it is what that change bought. Command: `python benchmarks/train_speed.py "
+    "--configs ddp anchor fs fs_fsdpcomms fs_ac sgo sgo_ac ns ns_ac --rounds 2`."
 )
 TRIM_NOTE = (
     "The targets' configurations over 22 steps, where the long run had shown peak RSS creeping above DDP's, with a "
@@ -549,12 +583,12 @@ def collectives_section(data: dict[str, Any]) -> list[str]:
 
     def versus(row: dict[str, Any]) -> str:
         # Each replacement against the default it replaces, listed just before it.
-        kind, _ = row["case"].split(": ", 1)
+        kind = row["case"].split(": ", 1)[0]
         first = next(r for r in rows if r["size"] == row["size"] and r["case"].startswith(kind))
         return "-" if first is row else f"{seconds[(row['size'], first['case'])] / row['seconds']:.2f}x"
 
     return [
-        "## gloo collectives and buffers (what `gloo_comms` is built on)",
+        "## CPU collectives and buffers (what `gloo_comms` and `shm_comms` are built on)",
         "",
         "`python benchmarks/gloo_collectives.py`: 2 processes, 1 torch thread each; per case the median of "
         f"{data['repeats']} calls, the slower rank's time. One block = one GPT block of the training benchmark; "
@@ -576,6 +610,8 @@ def main() -> None:
     args = parser.parse_args()
     results = Path(args.results)
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
+    shm_first, gloo_main = _load(results, "train_speed_shm"), _load(results, "train_speed_gloo")
+    long_shm = _load(results, "train_speed_long_shm")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
     long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
@@ -599,7 +635,11 @@ def main() -> None:
         "Commands (in this order):",
         "",
         "```bash",
-        *(d["command"].strip() for d in (notrim, trim, nocomm, collectives, scaling, meta, ckpt) if d),
+        *(
+            d["command"].strip()
+            for d in (train, long_shm, shm_first, notrim, trim, nocomm, collectives, scaling, meta, ckpt)
+            if d
+        ),
         "python benchmarks/make_report.py",
         "```",
         "",
@@ -607,10 +647,18 @@ def main() -> None:
     runs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     body: list[str] = []
     sections = (
+        (train, "main run", "Main run: every configuration, shared-memory collectives", MAIN_NOTE),
+        (long_shm, "long shm run", "Long run: shared-memory collectives, 3 rounds of 20 steps", LONG_SHM_NOTE),
+        (shm_first, "first shm run", "First run with shm_comms", SHM_FIRST_NOTE),
         (notrim, "trim check", "Trim check: the committed strategy (trim every 5 steps) against no trim", NOTRIM_NOTE),
         (trim, "trim run", "Trim run: the targets' configurations over 22 steps, trim after every step", TRIM_NOTE),
         (every_step, "every-step trim", "Every-step trim against no trim", EVERY_STEP_NOTE),
-        (train, "main run", "Main run: every configuration, before the heap trim", MAIN_NOTE),
+        (
+            gloo_main,
+            "gloo main run",
+            "Main run with gloo_comms: every configuration, before the heap trim",
+            GLOO_MAIN_NOTE,
+        ),
         (long_run, "long run", "Long run: before the heap trim, 3 rounds of 20 steps", LONG_NOTE),
         (gloo_first, "first gloo run", "First run with gloo_comms", GLOO_FIRST_NOTE),
         (check, "check run", "Check run: gloo_comms, 3 rounds", CHECK_NOTE),
