@@ -4,16 +4,18 @@ Gloo sends every byte through the loopback TCP stack, several kernel copies per 
 can read each other's memory directly. Here each collective writes what the other ranks need into a shared segment,
 waits at one gloo barrier, and reads what it needs. FULL_SHARD moves 1.5x DDP's bytes per step in about 20
 synchronous collectives, so on a CPU host this is where its time goes (``benchmarks/gloo_collectives.py``,
-``benchmarks/NOTES.md``). The bytes written are those of ``all_gather_single`` / ``reduce_scatter_single``
+``benchmarks/NOTES.md``). On 2 ranks the bytes written are those of ``all_gather_single`` /
+``reduce_scatter_single``; on more, the reduce-scatter sums in another order than gloo, one rounding apart
 (``tests/test_shm_comms.py``).
 
 Why one barrier per collective is enough: a group's collectives take its two segments in turn, and every rank reads
 a segment before it enters the next collective's barrier. A rank writes to a segment again only two collectives later,
 after that barrier, so nobody still reads it.
 
-Groups whose ranks are on more than one host, or whose segment cannot be reserved (a small ``/dev/shm``, as in a
-default Docker container), use the gloo collectives of ``gloo_comms`` instead; every rank of the group decides
-together, so they never disagree on the transport.
+Groups whose ranks are on more than one host, whose segments cannot be reserved (a full ``/dev/shm``), or whose
+ranks map the same file name but not the same memory (containers that share a hostname but not ``/dev/shm``: each
+rank marks the segments, and every rank must see every mark) use the gloo collectives of ``gloo_comms`` instead;
+every rank of the group decides together, so they never disagree on the transport.
 """
 
 from __future__ import annotations
@@ -100,27 +102,40 @@ class SharedMemoryTransport:
         return self._groups[name]
 
     def _join(self, group: dist.ProcessGroup) -> _GroupSegments | None:
-        """Map the group's two segments on every rank, or agree on gloo: ranks on several hosts, or no space."""
+        """Map the group's two segments on every rank, or agree on gloo: ranks on several hosts, no space, or
+        segments that are not actually shared (two containers with one hostname but separate ``/dev/shm``)."""
         identity = (_host_identity(), uuid.uuid4().hex) if SHM_DIR.is_dir() else None
         identities: list[tuple[str, str] | None] = [None] * group.size()
         dist.all_gather_object(identities, identity, group=group)
         if any(i is None for i in identities) or len({i[0] for i in identities}) > 1:
             return None
+        world, rank = group.size(), group.rank()
         paths = [SHM_DIR / f"lightning-shard-{identities[0][1]}-{i}" for i in range(2)]
         segments = [_reserve_segment(path, self.segment_bytes) for path in paths]
-        reserved = torch.tensor([all(s is not None for s in segments)], dtype=torch.int32)
-        dist.all_reduce(reserved, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped both files
+        reserved = all(s is not None for s in segments)
+        if reserved:
+            for segment in segments:
+                segment[rank] = 1  # the files start zeroed: every rank must see every other rank's mark
+        agreed = torch.tensor([reserved], dtype=torch.int32)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped and marked both
         for path in paths:
             path.unlink(missing_ok=True)  # the mappings outlive the names, and nothing is left behind on a crash
-        if not reserved.item():
-            warnings.warn(
-                f"lightning_shard: could not reserve 2 x {self.segment_bytes} bytes of shared memory in {SHM_DIR} for "
-                "FSDP's collectives; this process group uses gloo's instead (slower). Give the container more shared "
-                "memory (e.g. `docker run --shm-size=1g`) to get the faster path.",
-                stacklevel=4,
-            )
-            return None
+        if not agreed.item():
+            return self._fall_back(f"could not reserve 2 x {self.segment_bytes} bytes of shared memory in {SHM_DIR}")
+        agreed[0] = all(bool((segment[:world] == 1).all()) for segment in segments)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        if not agreed.item():
+            return self._fall_back(f"the ranks' files in {SHM_DIR} are not the same memory (separate containers?)")
         return _GroupSegments((segments[0], segments[1]))
+
+    @staticmethod
+    def _fall_back(reason: str) -> None:
+        warnings.warn(
+            f"lightning_shard: {reason}, so this process group uses gloo's collectives for FSDP (slower). Give the "
+            "ranks one shared /dev/shm with room for it (e.g. `docker run --ipc=host` or `--shm-size=1g`) to get the "
+            "faster path.",
+            stacklevel=5,
+        )
 
 
 def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ Prints one ``RESULT <json>`` line from rank 0:
                segment the other still reads would show up as a difference.
   training:    (not with ``--collectives-only``) the toy model's blocks sharded by ``fully_shard`` from the same
                weights, with FSDP2's default comms and with each installer (the shared-memory one also when the
-               ranks claim different hosts, and when one rank cannot reserve its segment); 6 AdamW steps on
+               ranks claim different hosts, when one rank cannot reserve its segments, and when one rank's segments
+               are private memory); 6 AdamW steps on
                rank-specific data; the largest difference of the per-step losses and of the final local shards
                against the default run; which comm classes were installed; whether the shared-memory transport
                fell back to gloo for the group.
@@ -147,6 +148,16 @@ def fail_reservation_on_rank_1(rank: int):
     return mock.patch.object(shm_comms, "_reserve_segment", lambda *a: None if rank == 1 else reserve(*a))
 
 
+def separate_memory_on_rank_1(rank: int):
+    """Rank 1's segments are private memory: what two containers with one hostname but separate /dev/shm give."""
+    reserve = shm_comms._reserve_segment
+
+    def reserve_private_on_rank_1(path, nbytes):
+        return torch.zeros(nbytes, dtype=torch.uint8) if rank == 1 else reserve(path, nbytes)
+
+    return mock.patch.object(shm_comms, "_reserve_segment", reserve_private_on_rank_1)
+
+
 def train(mesh, rank: int, install) -> tuple[list[float], list[torch.Tensor], ToyModel]:
     torch.manual_seed(0)
     model = ToyModel()
@@ -178,6 +189,7 @@ def compare_training(rank: int, world: int) -> dict:
         "shm": (shm_comms.install_shared_memory_collectives, None),
         "shm, ranks on different hosts": (shm_comms.install_shared_memory_collectives, claim_different_hosts),
         "shm, no segment on rank 1": (shm_comms.install_shared_memory_collectives, fail_reservation_on_rank_1),
+        "shm, memory not shared": (shm_comms.install_shared_memory_collectives, separate_memory_on_rank_1),
     }
     result = {}
     for name, (install, patch) in runs.items():
@@ -197,7 +209,7 @@ def compare_training(rank: int, world: int) -> dict:
             "pool_sizes": [len(all_gather._buffers), len(reduce_scatter._buffers)],
             "capacity": all_gather.capacity,
             "fell_back_to_gloo": None if transport is None else [s is None for s in transport._groups.values()],
-            "warnings": [str(w.message) for w in caught if "shared memory" in str(w.message)],
+            "warnings": [str(w.message) for w in caught if "lightning_shard" in str(w.message)],
         }
     return result
 

@@ -46,12 +46,22 @@ def test_training_with_shared_memory_equals_fsdp2_defaults(cpu_comms_result) -> 
     assert list(Path("/dev/shm").glob("lightning-shard-*")) == []  # every segment was unlinked once mapped
 
 
-@pytest.mark.parametrize("case", ["shm, ranks on different hosts", "shm, no segment on rank 1"])
-def test_a_group_that_cannot_share_memory_falls_back_to_gloo_on_every_rank(cpu_comms_result, case) -> None:
+@pytest.mark.parametrize(
+    ("case", "warning"),
+    [
+        ("shm, ranks on different hosts", None),  # the expected case on several hosts: no warning
+        ("shm, no segment on rank 1", "could not reserve"),
+        ("shm, memory not shared", "not the same memory"),
+    ],
+)
+def test_a_group_that_cannot_share_memory_falls_back_to_gloo_on_every_rank(cpu_comms_result, case, warning) -> None:
     training = cpu_comms_result["training"][case]
     assert training["fell_back_to_gloo"] == [True]
     assert (training["loss_diff"], training["weight_diff"]) == (0.0, 0.0)
-    if "no segment" in case:
+    if warning is None:
+        assert training["warnings"] == []
+    else:
+        assert len(training["warnings"]) == 1 and warning in training["warnings"][0]
         assert "--shm-size" in training["warnings"][0]
 
 
