@@ -416,6 +416,11 @@ LONG_SHM_NOTE = (
     "--configs ddp anchor fs fs_gloocomms sgo --rounds 3 --steps 20 --output "
     "benchmarks/results/train_speed_long_shm.json`."
 )
+DDP_CHECK_NOTE = (
+    "The two DDP targets once more after the runs above had put them within noise of their goals: only `ddp`, `fs` "
+    "and `sgo`, 4 rounds of 20 timed steps, on commit e147fb5. Command: `python benchmarks/train_speed.py --configs "
+    "ddp fs sgo --rounds 4 --steps 20 --output benchmarks/results/train_speed_ddp_shm.json`."
+)
 SHM_FIRST_NOTE = (
     "The first run with `shm_comms` (the working tree of commit 0a04d29), the targets' configurations and "
     "`fs_gloocomms`, 8 timed steps. Command: `python benchmarks/train_speed.py --configs ddp anchor fs fs_gloocomms "
@@ -611,7 +616,7 @@ def main() -> None:
     results = Path(args.results)
     train, meta = _load(results, "train_speed"), _load(results, "meta_build")
     shm_first, gloo_main = _load(results, "train_speed_shm"), _load(results, "train_speed_gloo")
-    long_shm = _load(results, "train_speed_long_shm")
+    long_shm, ddp_check = _load(results, "train_speed_long_shm"), _load(results, "train_speed_ddp_shm")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
     long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
@@ -637,7 +642,7 @@ def main() -> None:
         "```bash",
         *(
             d["command"].strip()
-            for d in (train, long_shm, shm_first, notrim, trim, nocomm, collectives, scaling, meta, ckpt)
+            for d in (train, long_shm, shm_first, ddp_check, notrim, trim, nocomm, collectives, scaling, meta, ckpt)
             if d
         ),
         "python benchmarks/make_report.py",
@@ -650,6 +655,7 @@ def main() -> None:
         (train, "main run", "Main run: every configuration, shared-memory collectives", MAIN_NOTE),
         (long_shm, "long shm run", "Long run: shared-memory collectives, 3 rounds of 20 steps", LONG_SHM_NOTE),
         (shm_first, "first shm run", "First run with shm_comms", SHM_FIRST_NOTE),
+        (ddp_check, "DDP check", "DDP check: FULL_SHARD and SHARD_GRAD_OP against DDP, 4 rounds", DDP_CHECK_NOTE),
         (notrim, "trim check", "Trim check: the committed strategy (trim every 5 steps) against no trim", NOTRIM_NOTE),
         (trim, "trim run", "Trim run: the targets' configurations over 22 steps, trim after every step", TRIM_NOTE),
         (every_step, "every-step trim", "Every-step trim against no trim", EVERY_STEP_NOTE),

@@ -12,10 +12,10 @@ Why one barrier per collective is enough: a group's collectives take its two seg
 a segment before it enters the next collective's barrier. A rank writes to a segment again only two collectives later,
 after that barrier, so nobody still reads it.
 
-Groups whose ranks are on more than one host, whose segments cannot be reserved (a full ``/dev/shm``), or whose
-ranks map the same file name but not the same memory (containers that share a hostname but not ``/dev/shm``: each
-rank marks the segments, and every rank must see every mark) use the gloo collectives of ``gloo_comms`` instead;
-every rank of the group decides together, so they never disagree on the transport.
+Groups whose ranks are on more than one host (boot id), whose segments cannot be reserved (a full ``/dev/shm``),
+or whose ranks map the same file name but not the same memory (containers on one host without a shared
+``/dev/shm``: each rank marks the segments, and every rank must see every mark) use the gloo collectives of
+``gloo_comms`` instead; every rank of the group decides together, so they never disagree on the transport.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ SEGMENT_BYTES = 16 << 20
 
 
 def _host_identity() -> str:
-    """Hostname and boot id: two containers may share a hostname but not a boot, and the reverse."""
+    """The kernel's boot id (the hostname where it cannot be read): containers on one kernel have different
+    hostnames but the same boot id, and whether they share ``/dev/shm`` is checked afterwards."""
     try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
+        return socket.gethostname()
 
 
 def _reserve_segment(path: Path, nbytes: int) -> torch.Tensor | None:
