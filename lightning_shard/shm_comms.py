@@ -20,6 +20,7 @@ or whose ranks map the same file name but not the same memory (containers on one
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import socket
@@ -76,9 +77,11 @@ class _GroupSegments:
     segments: tuple[torch.Tensor, torch.Tensor]
     calls: int = 0
 
-    def next(self) -> torch.Tensor:
+    def next(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The start of the segment for the group's next collective, as a tensor of ``shape`` and ``dtype``."""
         self.calls += 1
-        return self.segments[self.calls % 2]
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self.segments[self.calls % 2][:nbytes].view(dtype).view(shape)
 
 
 class SharedMemoryTransport:
@@ -144,12 +147,20 @@ def _pieces(numel: int, per_piece: int) -> list[tuple[int, int]]:
     return [(start, min(step, numel - start)) for start in range(0, numel, step)]
 
 
-class SharedMemoryAllGather(GlooAllGather):
-    """All-gather: each rank writes its shard into its slot of a shared segment and reads the others' slots."""
+class _OverSharedMemory:
+    """What both collectives share: the transport, and the gloo collective they extend as the fall-back."""
 
     def __init__(self, transport: SharedMemoryTransport, capacity: int = 4) -> None:
         super().__init__(capacity)
         self.transport = transport
+
+    def piece_numel(self, slots_per_rank: int, dtype: torch.dtype, world: int) -> int:
+        """Elements per slot so that ``world`` x ``slots_per_rank`` slots fill one segment."""
+        return self.transport.segment_bytes // (world * slots_per_rank * dtype.itemsize)
+
+
+class SharedMemoryAllGather(_OverSharedMemory, GlooAllGather):
+    """All-gather: each rank writes its shard into its slot of a shared segment and reads the others' slots."""
 
     def __call__(
         self,
@@ -163,10 +174,8 @@ class SharedMemoryAllGather(GlooAllGather):
             return super().__call__(output_tensor, input_tensor, group, async_op)
         world, rank = group.size(), group.rank()
         chunks = output_tensor.view(world, -1)
-        per_piece = self.transport.segment_bytes // (world * output_tensor.element_size())
-        for start, length in _pieces(chunks.size(1), per_piece):
-            slots = shared.next()[: world * length * output_tensor.element_size()].view(output_tensor.dtype)
-            slots = slots.view(world, length)
+        for start, length in _pieces(chunks.size(1), self.piece_numel(1, output_tensor.dtype, world)):
+            slots = shared.next((world, length), output_tensor.dtype)
             slots[rank].copy_(input_tensor[start : start + length])
             dist.barrier(group=group)
             for source in range(world):
@@ -177,13 +186,9 @@ class SharedMemoryAllGather(GlooAllGather):
         return None  # done: FSDP2 waits only on a returned work
 
 
-class SharedMemoryReduceScatter(GlooReduceScatter):
+class SharedMemoryReduceScatter(_OverSharedMemory, GlooReduceScatter):
     """Reduce-scatter: each rank writes every other rank's chunk of its input into a shared segment, then sums the
     contributions to its own chunk. SUM and AVG only (what FSDP2 asks of a CPU group); other ops go to gloo."""
-
-    def __init__(self, transport: SharedMemoryTransport, capacity: int = 4) -> None:
-        super().__init__(capacity)
-        self.transport = transport
 
     def __call__(
         self,
@@ -198,11 +203,9 @@ class SharedMemoryReduceScatter(GlooReduceScatter):
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), group.rank()
         chunks = input_tensor.view(world, -1)
-        per_piece = self.transport.segment_bytes // (world * (world - 1) * output_tensor.element_size())
-        for start, length in _pieces(output_tensor.numel(), per_piece):
+        for start, length in _pieces(output_tensor.numel(), self.piece_numel(world - 1, output_tensor.dtype, world)):
             # Slot [source, j] holds source's piece for the j-th other rank: (world - 1) pieces per source.
-            slots = shared.next()[: world * (world - 1) * length * output_tensor.element_size()]
-            slots = slots.view(output_tensor.dtype).view(world, world - 1, length)
+            slots = shared.next((world, world - 1, length), output_tensor.dtype)
             for dest in range(world):
                 if dest != rank:
                     slots[rank, dest - (dest > rank)].copy_(chunks[dest, start : start + length])

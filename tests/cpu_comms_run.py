@@ -143,19 +143,21 @@ def claim_different_hosts(rank: int):
     return mock.patch.object(shm_comms, "_host_identity", lambda: f"host-{rank}")
 
 
-def fail_reservation_on_rank_1(rank: int):
+def reserve_on_rank_1(rank: int, replacement):
+    """Rank 1 gets ``replacement(path, nbytes)`` in place of a mapped segment; the other ranks map theirs."""
     reserve = shm_comms._reserve_segment
-    return mock.patch.object(shm_comms, "_reserve_segment", lambda *a: None if rank == 1 else reserve(*a))
+    return mock.patch.object(
+        shm_comms, "_reserve_segment", lambda path, nbytes: (replacement if rank == 1 else reserve)(path, nbytes)
+    )
+
+
+def fail_reservation_on_rank_1(rank: int):
+    return reserve_on_rank_1(rank, lambda path, nbytes: None)
 
 
 def separate_memory_on_rank_1(rank: int):
     """Rank 1's segments are private memory: what two containers with one hostname but separate /dev/shm give."""
-    reserve = shm_comms._reserve_segment
-
-    def reserve_private_on_rank_1(path, nbytes):
-        return torch.zeros(nbytes, dtype=torch.uint8) if rank == 1 else reserve(path, nbytes)
-
-    return mock.patch.object(shm_comms, "_reserve_segment", reserve_private_on_rank_1)
+    return reserve_on_rank_1(rank, lambda path, nbytes: torch.zeros(nbytes, dtype=torch.uint8))
 
 
 def train(mesh, rank: int, install) -> tuple[list[float], list[torch.Tensor], ToyModel]:
