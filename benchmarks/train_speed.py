@@ -32,6 +32,9 @@ Configurations (``CONFIGS``):
                  what the strategy did before it installed ``shm_comms``).
   fs_nocomm      diagnostic: fs with the all-gather skipped and the reduce-scatter a local copy, so FSDP2's own work
                  (copies, hooks, allocation) is timed without communication; its losses are meaningless.
+  fs_gloobarrier fs with gloo's barrier in place of ``shm_barrier``'s futex barrier inside the shared-memory
+                 collectives (the ranks are told they cannot use it), i.e. what the strategy did before
+                 ``shm_barrier``.
   fs_notrim      fs without ``lightning_shard.cpu_heap``'s trim after each optimizer step (replaced by a no-op in
                  the worker), so ``fs`` against it is what the trim bought.
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
@@ -68,6 +71,7 @@ EXTRA_CONFIGS = [
     "ddp_mmap",
     "fs_fsdpcomms",
     "fs_gloocomms",
+    "fs_gloobarrier",
     "fs_nocomm",
     "fs_notrim",
 ]
@@ -99,6 +103,8 @@ DESCRIPTIONS = {
     "ddp_mmap": "DDPStrategy + MALLOC_MMAP_THRESHOLD_=131072 (the same for the baseline)",
     "fs_fsdpcomms": "FULL_SHARD with FSDP2's default gloo collectives put back (from outside), i.e. before gloo_comms",
     "fs_gloocomms": "FULL_SHARD with gloo_comms put back (from outside), i.e. before shm_comms",
+    "fs_gloobarrier": "FULL_SHARD with gloo's barrier in the shared-memory collectives (from outside), i.e. before "
+    "shm_barrier",
     "fs_nocomm": "FULL_SHARD with no communication at all (diagnostic: wrong numbers, FSDP2's own cost)",
     "fs_notrim": "FULL_SHARD without the heap trim after each optimizer step (from outside), i.e. before cpu_heap",
 }
@@ -238,6 +244,10 @@ def _worker(args: argparse.Namespace) -> None:
         import lightning_shard.strategy
 
         lightning_shard.strategy.HeapTrimmer.step = lambda self: False
+    if config == "fs_gloobarrier":
+        import lightning_shard.shm_comms
+
+        lightning_shard.shm_comms._barrier_namespace = lambda: None
     L.seed_everything(1234, verbose=False)
     module_cls = GPT
     callbacks: list[Callback] = []

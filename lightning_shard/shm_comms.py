@@ -1,12 +1,14 @@
-"""FSDP2 collectives for CPU ranks that share one host: the data moves through shared memory, gloo only synchronises.
+"""FSDP2 collectives for CPU ranks that share one host: the data moves through shared memory.
 
 Gloo sends every byte through the loopback TCP stack, several kernel copies per byte, while two processes on one host
 can read each other's memory directly. Here each collective writes what the other ranks need into a shared segment,
-waits at one gloo barrier, and reads what it needs. FULL_SHARD moves 1.5x DDP's bytes per step in about 20
-synchronous collectives, so on a CPU host this is where its time goes (``benchmarks/gloo_collectives.py``,
-``benchmarks/NOTES.md``). On 2 ranks the bytes written are those of ``all_gather_single`` /
-``reduce_scatter_single``; on more, the reduce-scatter sums in another order than gloo, one rounding apart
-(``tests/test_shm_comms.py``).
+waits at one barrier, and reads what it needs. The barrier is ``shm_barrier.FutexBarrier`` (futex words in a third
+shared file) on x86-64 Linux, where every rank sees the others' pids; elsewhere gloo's.
+
+FULL_SHARD moves 1.5x DDP's bytes per step in about 20 synchronous collectives, so on a CPU host this is where its
+time goes (``benchmarks/gloo_collectives.py``, ``benchmarks/NOTES.md``). On 2 ranks the bytes written are those of
+``all_gather_single`` / ``reduce_scatter_single``; on more, the reduce-scatter sums in another order than gloo, one
+rounding apart (``tests/test_shm_comms.py``).
 
 Why one barrier per collective is enough: a group's collectives take its two segments in turn, and every rank reads
 a segment before it enters the next collective's barrier. A rank writes to a segment again only two collectives later,
@@ -26,7 +28,10 @@ import os
 import socket
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
+from lightning_shard.shm_barrier import FutexBarrier, barrier_supported, page_bytes, pid_namespace
 
 SHM_DIR = Path("/dev/shm")
 # Per segment, two per process group. A collective larger than a segment runs in pieces, one barrier each: at 16 MiB
@@ -48,6 +54,31 @@ def _host_identity() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return socket.gethostname()
+
+
+def _barrier_namespace() -> str | None:
+    """What ranks must share to use the futex barrier: its support here, and the pid namespace (peers' pids)."""
+    return pid_namespace() if barrier_supported() else None
+
+
+def _futex_barrier(page: torch.Tensor, rank: int, identities: list, group: dist.ProcessGroup) -> FutexBarrier | None:
+    """The group's futex barrier, or ``None`` where a rank cannot take part (then gloo's barrier is used)."""
+    namespaces = {i[3] for i in identities}
+    if None in namespaces or len(namespaces) > 1:
+        return None
+    try:
+        return FutexBarrier(page, rank, [i[2] for i in identities], _group_timeout(group))
+    except OSError:  # pidfd_open refused
+        return None
+
+
+def _group_timeout(group: dist.ProcessGroup) -> float:
+    """The group's collective timeout in seconds (torch has no public getter; its default where this fails)."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        timeout = dist.default_pg_timeout
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 def _reserve_segment(path: Path, nbytes: int) -> torch.Tensor | None:
@@ -72,10 +103,15 @@ def _reserve_segment(path: Path, nbytes: int) -> torch.Tensor | None:
 
 @dataclass
 class _GroupSegments:
-    """One process group's two shared segments, taken in turn by its collectives."""
+    """One process group's two shared segments, taken in turn by its collectives, and the group's barrier."""
 
     segments: tuple[torch.Tensor, torch.Tensor]
+    barrier: Callable[[], object]
     calls: int = 0
+
+    def synchronize(self) -> None:
+        """Wait until every rank of the group has written its part of the current collective."""
+        self.barrier()
 
     def next(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The start of the segment for the group's next collective, as a tensor of ``shape`` and ``dtype``."""
@@ -107,29 +143,38 @@ class SharedMemoryTransport:
     def _join(self, group: dist.ProcessGroup) -> _GroupSegments | None:
         """Map the group's two segments on every rank, or agree on gloo: ranks on several hosts, no space, or
         segments that are not actually shared (two containers with one hostname but separate ``/dev/shm``)."""
-        identity = (_host_identity(), uuid.uuid4().hex) if SHM_DIR.is_dir() else None
-        identities: list[tuple[str, str] | None] = [None] * group.size()
+        identity = (_host_identity(), uuid.uuid4().hex, os.getpid(), _barrier_namespace()) if SHM_DIR.is_dir() else None
+        identities: list[tuple[str, str, int, str | None] | None] = [None] * group.size()
         dist.all_gather_object(identities, identity, group=group)
         if any(i is None for i in identities) or len({i[0] for i in identities}) > 1:
             return None
         world, rank = group.size(), group.rank()
-        paths = [SHM_DIR / f"lightning-shard-{identities[0][1]}-{i}" for i in range(2)]
-        segments = [_reserve_segment(path, self.segment_bytes) for path in paths]
-        reserved = all(s is not None for s in segments)
+        prefix = SHM_DIR / f"lightning-shard-{identities[0][1]}"
+        paths = [prefix.with_name(f"{prefix.name}-{i}") for i in range(2)] + [
+            prefix.with_name(f"{prefix.name}-barrier")
+        ]
+        segments = [_reserve_segment(path, self.segment_bytes) for path in paths[:2]]
+        page = _reserve_segment(paths[2], page_bytes(world))
+        reserved = all(s is not None for s in [*segments, page])
         if reserved:
             for segment in segments:
                 segment[rank] = 1  # the files start zeroed: every rank must see every other rank's mark
-        agreed = torch.tensor([reserved], dtype=torch.int32)
+        # The futex barrier needs every rank to support it and to see the others' pids.
+        futex = _futex_barrier(page, rank, identities, group) if reserved else None
+        agreed = torch.tensor([reserved, futex is not None], dtype=torch.int32)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped and marked both
         for path in paths:
             path.unlink(missing_ok=True)  # the mappings outlive the names, and nothing is left behind on a crash
-        if not agreed.item():
+        if not agreed[0].item():
             return self._fall_back(f"could not reserve 2 x {self.segment_bytes} bytes of shared memory in {SHM_DIR}")
+        if futex is not None and not agreed[1].item():
+            futex.close()
+            futex = None
         agreed[0] = all(bool((segment[:world] == 1).all()) for segment in segments)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        if not agreed.item():
+        if not agreed[0].item():
             return self._fall_back(f"the ranks' files in {SHM_DIR} are not the same memory (separate containers?)")
-        return _GroupSegments((segments[0], segments[1]))
+        return _GroupSegments((segments[0], segments[1]), futex or partial(dist.barrier, group=group))
 
     @staticmethod
     def _fall_back(reason: str) -> None:
@@ -177,7 +222,7 @@ class SharedMemoryAllGather(_OverSharedMemory, GlooAllGather):
         for start, length in _pieces(chunks.size(1), self.piece_numel(1, output_tensor.dtype, world)):
             slots = shared.next((world, length), output_tensor.dtype)
             slots[rank].copy_(input_tensor[start : start + length])
-            dist.barrier(group=group)
+            shared.synchronize()
             for source in range(world):
                 if source != rank:
                     chunks[source, start : start + length].copy_(slots[source])
@@ -209,7 +254,7 @@ class SharedMemoryReduceScatter(_OverSharedMemory, GlooReduceScatter):
             for dest in range(world):
                 if dest != rank:
                     slots[rank, dest - (dest > rank)].copy_(chunks[dest, start : start + length])
-            dist.barrier(group=group)
+            shared.synchronize()
             # Sum in rank order, as gloo does for 2 ranks, so that the bytes match.
             out = output_tensor[start : start + length]
             for source in range(world):

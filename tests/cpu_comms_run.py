@@ -8,15 +8,16 @@ Prints one ``RESULT <json>`` line from rank 0:
                the implementation wrote and what ``all_gather_single`` / ``reduce_scatter_single`` write (also in
                units of the last place of the largest value summed), and whether the bytes are equal. The cases run
                back to back, so the shared segments are taken in turn (also with segments of 64 KiB, where the
-               larger cases run in pieces); one rank is slowed down after every barrier, so a rank that wrote into a
+               larger cases run in pieces, and with gloo's barrier in place of the futex barrier, as on the ranks
+               that cannot use it); one rank is slowed down after every barrier, so a rank that wrote into a
                segment the other still reads would show up as a difference.
   training:    (not with ``--collectives-only``) the toy model's blocks sharded by ``fully_shard`` from the same
                weights, with FSDP2's default comms and with each installer (the shared-memory one also when the
                ranks claim different hosts, when one rank cannot reserve its segments, and when one rank's segments
-               are private memory); 6 AdamW steps on
+               are private memory, and when the last rank cannot use the futex barrier); 6 AdamW steps on
                rank-specific data; the largest difference of the per-step losses and of the final local shards
                against the default run; which comm classes were installed; whether the shared-memory transport
-               fell back to gloo for the group.
+               fell back to gloo for the group, and which barrier it uses.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from toy import IN_FEATURES, ToyModel  # noqa: E402
 
 from lightning_shard import shm_comms  # noqa: E402
 from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives  # noqa: E402
+from lightning_shard.shm_barrier import FutexBarrier  # noqa: E402
 
 STEPS = 6
 CPU = torch.device("cpu")
@@ -49,15 +51,14 @@ CPU = torch.device("cpu")
 @contextmanager
 def slow_rank_after_barrier(rank: int):
     """Rank 1 sleeps 5 ms after each barrier: its reads then come well after rank 0 could have written again."""
-    barrier = dist.barrier
+    synchronize = shm_comms._GroupSegments.synchronize
 
-    def slowed(*args, **kwargs):
-        work = barrier(*args, **kwargs)
+    def slowed(self):
+        synchronize(self)
         if rank == 1:
             time.sleep(0.005)
-        return work
 
-    with mock.patch.object(dist, "barrier", slowed):
+    with mock.patch.object(shm_comms._GroupSegments, "synchronize", slowed):
         yield
 
 
@@ -83,17 +84,18 @@ def reference_cases(rank: int, world: int) -> list[dict]:
 
 def compare_collectives(rank: int, world: int) -> list[dict]:
     cases = reference_cases(rank, world)
-    transport = shm_comms.SharedMemoryTransport()
-    small = shm_comms.SharedMemoryTransport(segment_bytes=1 << 16)  # the largest cases run in 19-37 pieces
+    small = 1 << 16  # the largest cases run in 19-37 pieces
     implementations = {
-        "gloo": (GlooAllGather(), GlooReduceScatter()),
-        "shm": (shm_comms.SharedMemoryAllGather(transport), shm_comms.SharedMemoryReduceScatter(transport)),
-        "shm in pieces": (shm_comms.SharedMemoryAllGather(small), shm_comms.SharedMemoryReduceScatter(small)),
+        "gloo": (GlooAllGather(), GlooReduceScatter(), nullcontext()),
+        "shm": (*shared_memory_collectives(), nullcontext()),
+        "shm in pieces": (*shared_memory_collectives(small), nullcontext()),
+        "shm, gloo barrier": (*shared_memory_collectives(), without_futex_barrier(rank, world)),
     }
     results = []
-    for name, (all_gather, reduce_scatter) in implementations.items():
+    for name, (all_gather, reduce_scatter, barrier) in implementations.items():
         outputs = []
-        with slow_rank_after_barrier(rank):  # one implementation's collectives back to back, nothing in between
+        # one implementation's collectives back to back, nothing in between
+        with slow_rank_after_barrier(rank), barrier:
             for c in cases:
                 dtype, numel = c["dtype"], c["numel"]
                 if c["collective"] == "all_gather":
@@ -104,6 +106,17 @@ def compare_collectives(rank: int, world: int) -> list[dict]:
                     reduce_scatter(outputs[-1], c["input"].clone(), dist.group.WORLD, c["op"])
         results += [compare(name, c, got) for c, got in zip(cases, outputs, strict=True)]
     return worst_over_ranks(results, world)
+
+
+def shared_memory_collectives(segment_bytes: int = shm_comms.SEGMENT_BYTES) -> tuple:
+    transport = shm_comms.SharedMemoryTransport(segment_bytes)
+    return shm_comms.SharedMemoryAllGather(transport), shm_comms.SharedMemoryReduceScatter(transport)
+
+
+def without_futex_barrier(rank: int, world: int):
+    """The last rank cannot use the futex barrier (another architecture, or another pid namespace): the group must
+    agree on gloo's barrier."""
+    return mock.patch.object(shm_comms, "_barrier_namespace", lambda: None) if rank == world - 1 else nullcontext()
 
 
 def worst_over_ranks(results: list[dict], world: int) -> list[dict]:
@@ -183,6 +196,10 @@ def train(mesh, rank: int, install) -> tuple[list[float], list[torch.Tensor], To
     return losses, [p.to_local().detach().clone() for p in model.parameters()], model
 
 
+def barrier_kind(segments: shm_comms._GroupSegments) -> str:
+    return "futex" if isinstance(segments.barrier, FutexBarrier) else "gloo"
+
+
 def compare_training(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     ref_losses, ref_shards, _ = train(mesh, rank, None)
@@ -192,6 +209,7 @@ def compare_training(rank: int, world: int) -> dict:
         "shm, ranks on different hosts": (shm_comms.install_shared_memory_collectives, claim_different_hosts),
         "shm, no segment on rank 1": (shm_comms.install_shared_memory_collectives, fail_reservation_on_rank_1),
         "shm, memory not shared": (shm_comms.install_shared_memory_collectives, separate_memory_on_rank_1),
+        "shm, gloo barrier": (shm_comms.install_shared_memory_collectives, lambda r: without_futex_barrier(r, world)),
     }
     result = {}
     for name, (install, patch) in runs.items():
@@ -211,6 +229,7 @@ def compare_training(rank: int, world: int) -> dict:
             "pool_sizes": [len(all_gather._buffers), len(reduce_scatter._buffers)],
             "capacity": all_gather.capacity,
             "fell_back_to_gloo": None if transport is None else [s is None for s in transport._groups.values()],
+            "barrier": None if transport is None else [barrier_kind(s) for s in transport._groups.values() if s],
             "warnings": [str(w.message) for w in caught if "lightning_shard" in str(w.message)],
         }
     return result

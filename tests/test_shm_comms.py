@@ -15,24 +15,25 @@ import torch
 from conftest import run_torchrun_result
 
 from lightning_shard import shm_comms
+from lightning_shard.shm_barrier import barrier_supported
 
 
 def shm_cases(result: dict) -> list[dict]:
-    """Whole segments and 64 KiB segments (collectives in pieces)."""
+    """Whole segments and 64 KiB segments (collectives in pieces), and whole segments with gloo's barrier."""
     return [c for c in result["collectives"] if c["implementation"].startswith("shm")]
 
 
 def test_two_ranks_write_the_bytes_fsdp2s_defaults_write(cpu_comms_result) -> None:
     cases = shm_cases(cpu_comms_result)
-    # segment sizes x dtypes x sizes x (all-gather, reduce-scatter SUM, AVG), one rank slowed down
-    assert len(cases) == 2 * 2 * 3 * 3
+    # (segment sizes + gloo's barrier) x dtypes x sizes x (all-gather, reduce-scatter SUM, AVG), one rank slowed down
+    assert len(cases) == 3 * 2 * 3 * 3
     assert [c for c in cases if not c["equal"]] == []
 
 
 def test_three_ranks_gather_the_same_bytes_and_reduce_within_one_rounding() -> None:
     result = run_torchrun_result(3, "tests/cpu_comms_run.py", "--collectives-only")
     cases = shm_cases(result)
-    assert result["world"] == 3 and len(cases) == 36
+    assert result["world"] == 3 and len(cases) == 54
     assert [c for c in cases if c["collective"] == "all_gather" and not c["equal"]] == []
     # gloo sums the three contributions in another order: the last place of the largest value may differ
     assert max(c["ulps"] for c in cases) <= 2.0
@@ -42,8 +43,16 @@ def test_training_with_shared_memory_equals_fsdp2_defaults(cpu_comms_result) -> 
     training = cpu_comms_result["training"]["shm"]
     assert training["installed"] == ["SharedMemoryAllGather", "SharedMemoryReduceScatter"]
     assert training["fell_back_to_gloo"] == [False]
+    assert training["barrier"] == ["futex" if barrier_supported() else "gloo"]
     assert (training["loss_diff"], training["weight_diff"]) == (0.0, 0.0)
     assert list(Path("/dev/shm").glob("lightning-shard-*")) == []  # every segment was unlinked once mapped
+
+
+def test_a_group_where_one_rank_cannot_use_the_futex_barrier_agrees_on_gloos_barrier(cpu_comms_result) -> None:
+    training = cpu_comms_result["training"]["shm, gloo barrier"]
+    assert training["installed"] == ["SharedMemoryAllGather", "SharedMemoryReduceScatter"]
+    assert (training["fell_back_to_gloo"], training["barrier"]) == ([False], ["gloo"])
+    assert (training["loss_diff"], training["weight_diff"], training["warnings"]) == (0.0, 0.0, [])
 
 
 @pytest.mark.parametrize(
