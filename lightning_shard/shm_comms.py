@@ -149,10 +149,7 @@ class SharedMemoryTransport:
         if any(i is None for i in identities) or len({i[0] for i in identities}) > 1:
             return None
         world, rank = group.size(), group.rank()
-        prefix = SHM_DIR / f"lightning-shard-{identities[0][1]}"
-        paths = [prefix.with_name(f"{prefix.name}-{i}") for i in range(2)] + [
-            prefix.with_name(f"{prefix.name}-barrier")
-        ]
+        paths = [SHM_DIR / f"lightning-shard-{identities[0][1]}-{part}" for part in ("0", "1", "barrier")]
         segments = [_reserve_segment(path, self.segment_bytes) for path in paths[:2]]
         page = _reserve_segment(paths[2], page_bytes(world))
         reserved = all(s is not None for s in [*segments, page])

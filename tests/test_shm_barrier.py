@@ -51,8 +51,9 @@ def exchange(path: Path, rank: int, pids: list[int], rounds: int, timeout: float
     return seen
 
 
-def peer(path: str, pids: list[int], rounds: int, exit_after: int | None) -> None:
+def peer(path: str, parent: int, rounds: int, exit_after: int | None) -> None:
     """Rank 1 in a spawned process: ``rounds`` exchanges, or ``exit_after`` barriers and then it dies."""
+    pids = [parent, os.getpid()]
     if exit_after is None:
         sys.exit(0 if exchange(Path(path), 1, pids, rounds) == list(range(rounds)) else 3)
     page = map_file(Path(path))
@@ -63,18 +64,11 @@ def peer(path: str, pids: list[int], rounds: int, exit_after: int | None) -> Non
 
 
 def start_peer(path: Path, rounds: int = 0, exit_after: int | None = None) -> multiprocessing.Process:
-    context = multiprocessing.get_context("spawn")
-    # The peer's pid is known only after start; it reads the parent's from the list and its own from os.getpid.
-    ready = context.Queue()
-    process = context.Process(target=_peer_with_pids, args=(str(path), os.getpid(), ready, rounds, exit_after))
+    process = multiprocessing.get_context("spawn").Process(
+        target=peer, args=(str(path), os.getpid(), rounds, exit_after)
+    )
     process.start()
-    ready.get(timeout=60)
     return process
-
-
-def _peer_with_pids(path: str, parent: int, ready, rounds: int, exit_after: int | None) -> None:
-    ready.put(True)
-    peer(path, [parent, os.getpid()], rounds, exit_after)
 
 
 def test_every_read_sees_the_other_ranks_write_of_the_same_round(tmp_path: Path) -> None:
