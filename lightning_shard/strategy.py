@@ -8,6 +8,7 @@ and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.S
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -21,6 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -261,9 +263,18 @@ class ShardedStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        created_here = not _distributed_is_initialized()
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        if created_here:
+            # Lightning destroys the process group at exit for nccl only. Under gloo a worker thread can still drop
+            # the last reference to a collective's tensors while the interpreter finalises; taking the GIL then
+            # aborts the process ("terminate called without an active exception", rc -6, seen once in CI).
+            # Destroying the group while the interpreter is alive joins those threads first. Unregister first so
+            # that nccl, or a second fit in the same process, does not queue the handler twice.
+            atexit.unregister(_destroy_dist_connection)
+            atexit.register(_destroy_dist_connection)
         self._device_mesh = self._build_device_mesh()
         if self.lightning_module is not None:
             # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.

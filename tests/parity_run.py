@@ -3,11 +3,14 @@
 Run as a script (Lightning's subprocess launcher re-runs it for the other ranks):
     python tests/parity_run.py --devices 2 --out OUT full grad_op ...
 ``--devices 1 --reference`` trains with Lightning's single-device strategy: the one-process reference.
+``--record-exit`` writes ``exit_rank{R}.json`` at interpreter exit: whether the process group was still alive then.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -95,14 +99,22 @@ def _strategy(reference: bool, **kwargs: Any) -> Any:
     return "auto" if reference else lightning_shard.ShardedStrategy(**kwargs)
 
 
+def _record_exit(path: Path) -> None:
+    path.write_text(json.dumps({"process_group_alive": dist.is_initialized()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--record-exit", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.record_exit:
+        # Registered before the strategy's handler, so it runs after it (atexit is last in, first out).
+        atexit.register(_record_exit, args.out / f"exit_rank{os.environ.get('LOCAL_RANK', '0')}.json")
     for name in args.scenarios:
         run(name, args.devices, args.reference, args.out)
 

@@ -6,6 +6,7 @@ slices of the same batches (``toy.rank_slice_loader``). Tolerance 1e-5 for fp32 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("parity")
-    run_script("tests/parity_run.py", "--devices", "2", "--out", str(out / "two"), *FP32, *PRECISIONS)
+    run_script("tests/parity_run.py", "--devices", "2", "--record-exit", "--out", str(out / "two"), *FP32, *PRECISIONS)
     run_script("tests/parity_run.py", "--devices", "1", "--reference", "--out", str(out / "ref"), *FP32)
     run_script("tests/parity_run.py", "--devices", "1", "--out", str(out / "one"), "bf16_mixed")
     # its own invocation: a spawning launcher in a process that is already rank 0 of another would not do
@@ -65,6 +66,15 @@ def test_spawn_launcher_returns_the_trained_weights(results: dict[str, Path]) ->
     spawned, ref = load(results, "two", "spawn"), load(results, "ref", "full")
     assert spawned["losses"] == []  # the callback ran in the workers, not here
     assert max_weight_diff(spawned["weights"], ref["weights"]) < TOL
+
+
+def test_process_group_is_destroyed_before_the_interpreter_exits(results: dict[str, Path]) -> None:
+    # Lightning leaves a gloo group to interpreter finalisation, where a gloo worker thread releasing tensors can
+    # abort the process (rc -6, "terminate called without an active exception"). Without the strategy's exit
+    # handler both files say the group was alive.
+    for rank in (0, 1):
+        recorded = json.loads((results["two"] / f"exit_rank{rank}.json").read_text())
+        assert recorded == {"process_group_alive": False}, f"rank {rank}"
 
 
 def test_auto_sharding_picks_no_shard_when_the_model_fits(results: dict[str, Path]) -> None:
