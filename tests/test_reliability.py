@@ -33,7 +33,9 @@ def launch(launcher: str, *args: str, timeout: float = JOB_TIMEOUT) -> tuple[int
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", SCRIPT, *args]
+        # --standalone: a free port for the rendezvous, not the fixed 29500 that another job may hold
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        command = [sys.executable, *torchrun, SCRIPT, *args]
     else:
         command = [sys.executable, SCRIPT, *args]
     start = time.monotonic()
