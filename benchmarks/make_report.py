@@ -426,6 +426,15 @@ LONG_SHM_NOTE = (
     "--configs ddp anchor fs fs_gloocomms sgo --rounds 3 --steps 20 --output "
     "benchmarks/results/train_speed_long_shm.json`."
 )
+ROUNDS8_NOTE = (
+    "The two DDP targets with more rounds, on a faster day than the futex runs: `ddp`, `fs` and `sgo`, 8 rounds of "
+    "20 timed steps, from a clean worktree of commit c66a4eb (the futex barrier, plus the process group destroyed "
+    "at exit; hence the absolute output path in the command). DDP took 0.74-0.90 s per step between rounds."
+)
+ALL4_NOTE = (
+    "Right after the 8-round run, every speed target in one run: `ddp`, `anchor`, `fs` and `sgo`, 4 rounds of 20 "
+    "timed steps, from the same worktree of commit c66a4eb."
+)
 FUTEX_NOTE = (
     "The futex barrier (`lightning_shard/shm_barrier.py`) in the shared-memory collectives: `ddp`, `fs`, `sgo` and "
     "`fs_gloobarrier` (the same FULL_SHARD run with gloo's barrier put back), 4 rounds of 20 timed steps, run from a "
@@ -630,6 +639,36 @@ def collectives_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def gpu_section(data: dict[str, Any]) -> list[str]:
+    """The one-GPU throughput run of ``gpu_throughput.py``: tokens/s and MFU."""
+    settings, model, machine = data["settings"], data["model"], data["machine"]
+
+    def gib(key: str) -> str:
+        return "-" if data[key] is None else f"{data[key] / 2**30:.1f}"
+
+    return [
+        "## One GPU: tokens/s and MFU",
+        "",
+        f"GPT n_layer {model['n_layer']}, n_embd {model['n_embd']}, n_head {model['n_head']}: "
+        f"{data['num_params']:,} parameters, {settings['precision']}, {settings['sharding_strategy']}, activation "
+        f"checkpointing {'on' if settings['activation_checkpointing'] else 'off'}; micro-batch "
+        f"{settings['batch_size']} x {model['block_size']} random tokens; {settings['warmup']} warm-up + "
+        f"{settings['steps']} timed steps, the device synchronised at both ends of each step. Model FLOPs per token "
+        "= 6 x parameters (without the position table) + 12 x layers x width x context (PaLM, appendix B); "
+        f"MFU against {data['peak_flops'] / 1e12:.1f} TFLOP/s.",
+        "",
+        f"Device: {data['device']}; torch {machine['torch']}, lightning {machine['lightning']}, commit "
+        f"{machine['git_commit']}, {machine['time']}.",
+        "",
+        "| median s/step | tokens/s | model TFLOPs per step | MFU | max allocated, GiB | max reserved, GiB |",
+        "|---|---|---|---|---|---|",
+        f"| {data['median_step_seconds']:.3f} | {data['tokens_per_s']:,.0f} "
+        f"| {data['flops_per_token'] * data['tokens_per_s'] * data['median_step_seconds'] / 1e12:.1f} "
+        f"| {data['mfu']:.1%} | {gib('max_memory_allocated_bytes')} | {gib('max_memory_reserved_bytes')} |",
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", default=str(HERE / "results"))
@@ -640,6 +679,7 @@ def main() -> None:
     shm_first, gloo_main = _load(results, "train_speed_shm"), _load(results, "train_speed_gloo")
     long_shm, ddp_check = _load(results, "train_speed_long_shm"), _load(results, "train_speed_ddp_shm")
     futex, futex2 = _load(results, "train_speed_futex"), _load(results, "train_speed_futex2")
+    rounds8, all4 = _load(results, "train_speed_rounds8"), _load(results, "train_speed_all4")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
     long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
@@ -651,6 +691,7 @@ def main() -> None:
     malloc = _load(results, "train_speed_malloc")
     ckpt, scaling = _load(results, "checkpoint_io"), _load(results, "model_state_scaling")
     collectives = _load(results, "gloo_collectives")
+    gpu = _load(results, "gpu_throughput")
 
     lines = [
         "# Benchmarks",
@@ -666,6 +707,8 @@ def main() -> None:
         *(
             d["command"].strip()
             for d in (
+                rounds8,
+                all4,
                 futex,
                 train,
                 long_shm,
@@ -678,6 +721,7 @@ def main() -> None:
                 scaling,
                 meta,
                 ckpt,
+                gpu,
             )
             if d
         ),
@@ -688,6 +732,8 @@ def main() -> None:
     runs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     body: list[str] = []
     sections = (
+        (rounds8, "8-round run", "8-round run: FULL_SHARD and SHARD_GRAD_OP against DDP", ROUNDS8_NOTE),
+        (all4, "targets run", "Targets run: DDP, the anchor, FULL_SHARD and SHARD_GRAD_OP, 4 rounds", ALL4_NOTE),
         (futex, "futex run", "Futex run: the shared-memory collectives' own barrier, 4 rounds", FUTEX_NOTE),
         (futex2, "futex run 2", "Futex run 2: with the anchor, 3 rounds", FUTEX2_NOTE),
         (train, "main run", "Main run: every configuration, shared-memory collectives", MAIN_NOTE),
@@ -727,6 +773,8 @@ def main() -> None:
         lines += meta_section(meta)
     if ckpt:
         lines += checkpoint_section(ckpt)
+    if gpu:
+        lines += gpu_section(gpu)
     notes = HERE / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
