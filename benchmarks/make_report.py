@@ -435,6 +435,10 @@ ALL4_NOTE = (
     "Right after the 8-round run, every speed target in one run: `ddp`, `anchor`, `fs` and `sgo`, 4 rounds of 20 "
     "timed steps, from the same worktree of commit c66a4eb."
 )
+CONFIRM_NOTE = (
+    "A confirmation on the same day, later: `ddp`, `fs` and `sgo`, 4 rounds of 20 timed steps, from a clean worktree "
+    "of commit 576f2f4 (the same strategy code as c66a4eb)."
+)
 FUTEX_NOTE = (
     "The futex barrier (`lightning_shard/shm_barrier.py`) in the shared-memory collectives: `ddp`, `fs`, `sgo` and "
     "`fs_gloobarrier` (the same FULL_SHARD run with gloo's barrier put back), 4 rounds of 20 timed steps, run from a "
@@ -680,6 +684,7 @@ def main() -> None:
     long_shm, ddp_check = _load(results, "train_speed_long_shm"), _load(results, "train_speed_ddp_shm")
     futex, futex2 = _load(results, "train_speed_futex"), _load(results, "train_speed_futex2")
     rounds8, all4 = _load(results, "train_speed_rounds8"), _load(results, "train_speed_all4")
+    confirm = _load(results, "train_speed_confirm")
     before_gloo = _load(results, "train_speed_before_gloo")
     check = _load(results, "train_speed_check")
     long_run, gloo_first = _load(results, "train_speed_long"), _load(results, "train_speed_gloo_first")
@@ -709,6 +714,7 @@ def main() -> None:
             for d in (
                 rounds8,
                 all4,
+                confirm,
                 futex,
                 train,
                 long_shm,
@@ -734,6 +740,7 @@ def main() -> None:
     sections = (
         (rounds8, "8-round run", "8-round run: FULL_SHARD and SHARD_GRAD_OP against DDP", ROUNDS8_NOTE),
         (all4, "targets run", "Targets run: DDP, the anchor, FULL_SHARD and SHARD_GRAD_OP, 4 rounds", ALL4_NOTE),
+        (confirm, "confirmation run", "Confirmation run: FULL_SHARD and SHARD_GRAD_OP against DDP", CONFIRM_NOTE),
         (futex, "futex run", "Futex run: the shared-memory collectives' own barrier, 4 rounds", FUTEX_NOTE),
         (futex2, "futex run 2", "Futex run 2: with the anchor, 3 rounds", FUTEX2_NOTE),
         (train, "main run", "Main run: every configuration, shared-memory collectives", MAIN_NOTE),
