@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "gpu_throughput.json")
     args = parser.parse_args(argv)
 
-    model_config = yaml.safe_load(args.config.read_text())["model"]
-    model = GPT(**model_config)
-    # Fail before the model is built if the peak is unknown: the run would be wasted.
+    # Fail before anything is built if the peak is unknown: the run would be wasted.
     device_name = torch.cuda.get_device_name() if args.accelerator in ("gpu", "cuda") else "cpu"
     peak = peak_flops(device_name, args.peak_tflops)
+    model_config = yaml.safe_load(args.config.read_text())["model"]
+    model = GPT(**model_config)
     timer = SynchronisedStepTimer()
     strategy = ShardedStrategy(
         sharding_strategy=args.sharding_strategy,

@@ -31,11 +31,15 @@ def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check:
     return proc.stdout
 
 
+def torchrun_args(nproc: int) -> list[str]:
+    """``python`` arguments that start torchrun with ``nproc`` ranks on this host."""
+    # --standalone: a free port for the rendezvous, not the fixed 29500 that another job on the machine may hold
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def run_torchrun_result(nproc: int, script: str, *args: str, timeout: float = 240) -> dict:
     """Run ``script`` on ``nproc`` gloo ranks with torchrun; return the JSON of its ``RESULT <json>`` line."""
-    # --standalone: a free port for the rendezvous, not the fixed 29500 that another job on the machine may hold
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    out = run_script(*torchrun, script, *args, timeout=timeout)
+    out = run_script(*torchrun_args(nproc), script, *args, timeout=timeout)
     line = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from conftest import REPO, run_script
+from conftest import REPO, run_script, torchrun_args
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.integrity import CheckpointIntegrityError, mismatch_problems
@@ -33,9 +33,7 @@ def launch(launcher: str, *args: str, timeout: float = JOB_TIMEOUT) -> tuple[int
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     if launcher == "torchrun":
-        # --standalone: a free port for the rendezvous, not the fixed 29500 that another job may hold
-        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        command = [sys.executable, *torchrun, SCRIPT, *args]
+        command = [sys.executable, *torchrun_args(2), SCRIPT, *args]
     else:
         command = [sys.executable, SCRIPT, *args]
     start = time.monotonic()
