@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, machine, median, write_json
-from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
-from lightning_shard.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter, SharedMemoryTransport
+from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter
+from lightning_shard.cpu.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter, SharedMemoryTransport
 
 SIZES = {"one block": 3_152_384, "whole model": 19_177_472}
 CPU = torch.device("cpu")

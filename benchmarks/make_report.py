@@ -464,7 +464,7 @@ SHM_FIRST_NOTE = (
 GLOO_MAIN_NOTE = (
     "The main run of the previous round (its output moved to `benchmarks/results/train_speed_gloo.json`): all "
     "configurations with `gloo_comms`, before the heap trim and before `shm_comms`. On CPU meshes the strategy "
-    "installed `lightning_shard.gloo_comms` (gloo list all-gather, all-reduce + copy in place of reduce-scatter, "
+    "installed `lightning_shard.cpu.gloo_comms` (gloo list all-gather, all-reduce + copy in place of reduce-scatter, "
     "reused comm buffers). `fs_fsdpcomms` is the same FULL_SHARD run with FSDP2's default collectives put back, in "
     "the same rounds, so `fs` against it is what that change bought. Command: `python benchmarks/train_speed.py "
     "--configs ddp anchor fs fs_fsdpcomms fs_ac sgo sgo_ac ns ns_ac --rounds 2`."

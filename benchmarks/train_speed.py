@@ -28,14 +28,14 @@ Configurations (``CONFIGS``):
   fs_both        explicit forward + backward prefetch (from outside) + fs_last;  fs_all: fs_threads + fs_both.
   fs_fsdpcomms   fs with FSDP2's own ``all_gather_single`` / ``reduce_scatter_single`` put back in place of
                  the strategy's collectives (what the strategy did before it installed ``gloo_comms``).
-  fs_gloocomms   fs with ``lightning_shard.gloo_comms`` put back in place of ``shm_comms`` (gloo carries the data;
+  fs_gloocomms   fs with ``lightning_shard.cpu.gloo_comms`` put back in place of ``shm_comms`` (gloo carries the data;
                  what the strategy did before it installed ``shm_comms``).
   fs_nocomm      diagnostic: fs with the all-gather skipped and the reduce-scatter a local copy, so FSDP2's own work
                  (copies, hooks, allocation) is timed without communication; its losses are meaningless.
   fs_gloobarrier fs with gloo's barrier in place of ``shm_barrier``'s futex barrier inside the shared-memory
                  collectives (the ranks are told they cannot use it), i.e. what the strategy did before
                  ``shm_barrier``.
-  fs_notrim      fs without ``lightning_shard.cpu_heap``'s trim after each optimizer step (replaced by a no-op in
+  fs_notrim      fs without ``lightning_shard.cpu.heap``'s trim after each optimizer step (replaced by a no-op in
                  the worker), so ``fs`` against it is what the trim bought.
   fs_foreach     fs + AdamW's multi-tensor (foreach) path: on CPU torch defaults to the per-parameter loop, which
                  under FSDP2 dispatches every elementwise op through DTensor; ddp_foreach: the same for DDP.
@@ -118,7 +118,7 @@ def _replacement_comms(kind: str) -> tuple[Any, Any]:
     (``"none"``, for timing only)."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter
+    from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter
 
     class LocalAllGather(GlooAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
@@ -245,9 +245,9 @@ def _worker(args: argparse.Namespace) -> None:
 
         lightning_shard.strategy.HeapTrimmer.step = lambda self: False
     if config == "fs_gloobarrier":
-        import lightning_shard.shm_comms
+        import lightning_shard.cpu.shm_comms
 
-        lightning_shard.shm_comms._barrier_namespace = lambda: None
+        lightning_shard.cpu.shm_comms._barrier_namespace = lambda: None
     L.seed_everything(1234, verbose=False)
     module_cls = GPT
     callbacks: list[Callback] = []

@@ -9,9 +9,8 @@ Importing the package registers the strategy names with Lightning's registry, so
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shard.checkpoint_io import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
-from lightning_shard.integrity import CheckpointIntegrityError
 from lightning_shard.memory import (
     MemoryBreakdown,
     MemoryEstimate,

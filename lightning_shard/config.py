@@ -14,6 +14,7 @@ from lightning_shard.wrap import WrapPolicy, validate_policy
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"]
 StateDictType = Literal["sharded", "full"]
+CpuCollectives = Literal["gloo", "shared_memory"]
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,12 @@ class ShardingConfig:
     cpu_offload: bool | CPUOffloadPolicy = False
     hybrid_shard_size: int | None = None
     state_dict_type: StateDictType = "sharded"
+    cpu_collectives: CpuCollectives = "gloo"
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
         _check_choice("state_dict_type", self.state_dict_type, get_args(StateDictType))
+        _check_choice("cpu_collectives", self.cpu_collectives, get_args(CpuCollectives))
         validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
         validate_policy(self.activation_checkpointing, "activation_checkpointing")
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):

@@ -28,7 +28,6 @@ from torch.distributed.fsdp import (
 
 from lightning_shard.config import ShardingConfig
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
-from lightning_shard.shm_comms import install_shared_memory_collectives
 from lightning_shard.wrap import select_modules
 
 
@@ -47,7 +46,7 @@ def parallelize_module(
     Args:
         model: the model, built eagerly or on the meta device.
         mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh.
-        config: the wrap and checkpointing policies and ``reshard_after_forward``.
+        config: the wrap and checkpointing policies, ``reshard_after_forward`` and the CPU collectives.
         mp_policy, offload_policy: handed to every ``fully_shard`` call.
         device: where the model computes.
         forward_methods: methods of the root besides ``forward`` that run the model (Lightning's step methods).
@@ -78,7 +77,10 @@ def parallelize_module(
             unit.set_modules_to_forward_prefetch([next_unit])
     # The root keeps its parameters gathered after forward (FSDP's default): backward needs them first.
     shard(model)
-    if mesh.device_type == "cpu":
+    if mesh.device_type == "cpu" and config.cpu_collectives == "shared_memory":
+        # Opt-in and kept apart: the default is FSDP2's own collectives, the path GPU users run.
+        from lightning_shard.cpu import install_shared_memory_collectives
+
         install_shared_memory_collectives(model)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)

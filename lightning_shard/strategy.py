@@ -46,11 +46,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.auto_sharding import choose_sharding, device_memory_bytes
-from lightning_shard.checkpoint_io import ShardedCheckpointIO
-from lightning_shard.config import ShardingConfig, StateDictType
-from lightning_shard.cpu_heap import HeapTrimmer
+from lightning_shard.checkpoint import ShardedCheckpointIO
+from lightning_shard.config import CpuCollectives, ShardingConfig, StateDictType
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
+from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision, check_reduce_dtype
 from lightning_shard.wrap import WrapPolicy
@@ -87,6 +86,10 @@ class ShardedStrategy(ParallelStrategy):
         reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
         state_dict_type: ``"sharded"`` (a torch.distributed.checkpoint directory) or ``"full"`` (one file).
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
+        cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
+            nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
+            through ``/dev/shm`` with reused buffers, and a periodic heap trim; see :mod:`lightning_shard.cpu`).
+            No effect on GPU meshes.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
@@ -115,6 +118,7 @@ class ShardedStrategy(ParallelStrategy):
         reduce_dtype: torch.dtype | None = None,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
+        cpu_collectives: CpuCollectives = "gloo",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -128,6 +132,7 @@ class ShardedStrategy(ParallelStrategy):
             cpu_offload=cpu_offload,
             hybrid_shard_size=hybrid_shard_size,
             state_dict_type=state_dict_type,
+            cpu_collectives=cpu_collectives,
         )
         if start_method not in _START_METHODS:
             raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
@@ -135,8 +140,7 @@ class ShardedStrategy(ParallelStrategy):
             raise TypeError(f"`timeout={timeout!r}` must be a datetime.timedelta, e.g. `timedelta(minutes=10)`.")
         check_reduce_dtype(reduce_dtype)
         self._reduce_dtype = reduce_dtype
-        # Every 5 optimizer steps: trimming after each step cost 9-13% mean step time; every 5th, about 2%.
-        self._heap_trimmer = HeapTrimmer(every=5)
+        self._heap_trimmer = _heap_trimmer(cpu_collectives)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -388,7 +392,7 @@ class ShardedStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.root_device.type == "cpu":
+        if self._heap_trimmer is not None and self.root_device.type == "cpu":
             # The step's transient buffers are free now; without a trim now and then the CPU heap's peak creeps up.
             self._heap_trimmer.step()
         return output
@@ -508,6 +512,16 @@ class ShardedStrategy(ParallelStrategy):
                 sharding_strategy=sharding_strategy,
                 cpu_offload=cpu_offload,
             )
+
+
+def _heap_trimmer(cpu_collectives: str) -> Any:
+    """The opt-in CPU transport trims the heap every 5 optimizer steps (after every step cost 9-13% of the step
+    time, every 5th about 2%); the default path leaves the allocator alone."""
+    if cpu_collectives != "shared_memory":
+        return None
+    from lightning_shard.cpu import HeapTrimmer
+
+    return HeapTrimmer(every=5)
 
 
 def _evaluate_without_inference_mode(trainer: pl.Trainer) -> None:

@@ -1,5 +1,5 @@
-"""The CPU collectives of ``lightning_shard.gloo_comms`` and ``lightning_shard.shm_comms`` against the ones FSDP2 calls
-by default, on 2 (or more) gloo ranks.
+"""The CPU collectives of ``lightning_shard.cpu.gloo_comms`` and ``lightning_shard.cpu.shm_comms`` against the ones
+FSDP2 calls by default, on 2 (or more) gloo ranks.
 
     torchrun --nproc_per_node 2 tests/cpu_comms_run.py [--collectives-only]
 
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toy import IN_FEATURES, ToyModel  # noqa: E402
 
-from lightning_shard import shm_comms  # noqa: E402
-from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives  # noqa: E402
-from lightning_shard.shm_barrier import FutexBarrier  # noqa: E402
+from lightning_shard.cpu import shm_comms  # noqa: E402
+from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives  # noqa: E402
+from lightning_shard.cpu.shm_barrier import FutexBarrier  # noqa: E402
 
 STEPS = 6
 CPU = torch.device("cpu")

@@ -40,6 +40,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "meta_init": ({}, {}, {"build": "configure"}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
     "forward_prefetch": ({"forward_prefetch": True}, {}, {}),
+    # the opt-in CPU transport through the strategy (its own tests compare it with FSDP2's collectives byte by byte)
+    "shared_memory": ({"cpu_collectives": "shared_memory"}, {}, {}),
     "sgd": ({"auto_wrap_policy": None}, {}, {"optimizer": "sgd"}),
     "auto_sharding": ({"sharding_strategy": "auto"}, {}, {}),
     # spawned workers: only the weights come back to this process (callbacks ran in the workers)

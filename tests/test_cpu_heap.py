@@ -1,5 +1,6 @@
-"""``lightning_shard.cpu_heap``: trimming gives freed heap pages back (RSS falls), and the strategy trims after every
-few optimizer steps on a CPU device, not on a GPU."""
+"""``lightning_shard.cpu.heap``: trimming gives freed heap pages back (RSS falls); the strategy trims after every few
+optimizer steps only with the opt-in ``cpu_collectives="shared_memory"`` and on a CPU device, never on the default
+path."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
-from lightning_shard import ShardedStrategy, cpu_heap
+from lightning_shard import ShardedStrategy
+from lightning_shard.cpu import heap as cpu_heap
 
 # A fresh interpreter, so that the test sees only its own heap: ~128 MiB of 64 KiB blocks (below glibc's mmap
 # threshold, so they live on the heap), every 50th kept alive so the heap cannot shrink from its top by itself.
 FRAGMENT_AND_TRIM = """
 import os
-from lightning_shard.cpu_heap import release_freed_heap
+from lightning_shard.cpu.heap import release_freed_heap
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 blocks = [bytearray(b"\\x01") * 65536 for _ in range(2000)]
@@ -47,10 +49,14 @@ def test_the_trimmer_trims_on_every_nth_step(monkeypatch) -> None:
         cpu_heap.HeapTrimmer(every=0)
 
 
+def test_the_default_path_never_trims_the_heap() -> None:
+    assert ShardedStrategy()._heap_trimmer is None
+
+
 @pytest.mark.parametrize(("device", "counted"), [("cpu", 3), ("cuda", 0)])
-def test_the_strategy_counts_optimizer_steps_on_cpu_only(monkeypatch, device: str, counted: int) -> None:
+def test_the_shared_memory_transport_trims_on_cpu_only(monkeypatch, device: str, counted: int) -> None:
     monkeypatch.setattr(ParallelStrategy, "optimizer_step", lambda self, *args, **kwargs: "stepped")
-    strategy = ShardedStrategy(parallel_devices=[torch.device(device, 0)])
+    strategy = ShardedStrategy(parallel_devices=[torch.device(device, 0)], cpu_collectives="shared_memory")
     steps = []
     monkeypatch.setattr(strategy._heap_trimmer, "step", lambda: steps.append(1) or False)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -1,4 +1,4 @@
-"""``lightning_shard.gloo_comms``: the buffer pool's reuse rules, and the gloo collectives against FSDP2's defaults
+"""``lightning_shard.cpu.gloo_comms``: the buffer pool's reuse rules, and the gloo collectives against FSDP2's defaults
 (``tests/cpu_comms_run.py`` on 2 ranks: the same bytes, and the same training to the last bit)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lightning_shard.gloo_comms import GlooReduceScatter, ReusedBuffers
+from lightning_shard.cpu.gloo_comms import GlooReduceScatter, ReusedBuffers
 
 CPU = torch.device("cpu")
 

@@ -24,6 +24,7 @@ FP32 = [
     "meta_init",
     "checkpointing",
     "forward_prefetch",
+    "shared_memory",
     "sgd",
     "evaluate",
     "auto_sharding",

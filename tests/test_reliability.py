@@ -21,7 +21,7 @@ import torch
 from conftest import REPO, run_script, torchrun_args
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
-from lightning_shard.integrity import CheckpointIntegrityError, mismatch_problems
+from lightning_shard.checkpoint.integrity import CheckpointIntegrityError, mismatch_problems
 
 SCRIPT = "tests/fault_run.py"
 JOB_TIMEOUT = 150  # a hang fails the test long before the 60 s process-group timeout could be masked

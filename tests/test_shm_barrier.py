@@ -1,4 +1,4 @@
-"""``lightning_shard.shm_barrier``: the futex barrier between two real processes - it orders their writes and reads,
+"""``lightning_shard.cpu.shm_barrier``: the futex barrier between two real processes - it orders their writes and reads,
 and a rank that died or never comes ends the wait with an error that names it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_shard.shm_barrier import FutexBarrier, barrier_supported, page_bytes
+from lightning_shard.cpu.shm_barrier import FutexBarrier, barrier_supported, page_bytes
 
 pytestmark = pytest.mark.skipif(not barrier_supported(), reason="the futex barrier is for x86-64 Linux")
 

@@ -1,6 +1,6 @@
-"""``lightning_shard.shm_comms``: the shared-memory collectives against FSDP2's defaults (``tests/cpu_comms_run.py``:
-the same bytes on 2 ranks, one rounding of the sum order apart on 3, the same training to the last bit), the fall-back
-to gloo, and the segment reservation."""
+"""``lightning_shard.cpu.shm_comms``: the shared-memory collectives against FSDP2's defaults
+(``tests/cpu_comms_run.py``: the same bytes on 2 ranks, one rounding of the sum order apart on 3, the same training
+to the last bit), the fall-back to gloo, and the segment reservation."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import run_torchrun_result
 
-from lightning_shard import shm_comms
-from lightning_shard.shm_barrier import barrier_supported
+from lightning_shard.cpu import shm_comms
+from lightning_shard.cpu.shm_barrier import barrier_supported
 
 
 def shm_cases(result: dict) -> list[dict]:

@@ -17,10 +17,10 @@ from toy import Block, ToyModel
 
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
-from lightning_shard.auto_sharding import choose_sharding
+from lightning_shard.cpu.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter
 from lightning_shard.materialize import materialize_sharded_module
+from lightning_shard.memory.auto_sharding import choose_sharding
 from lightning_shard.parallelize import parallelize_module
-from lightning_shard.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter
 from lightning_shard.wrap import candidate_block_classes, select_modules
 
 
@@ -68,10 +68,24 @@ def test_wrap_policy_forms_select_units(mesh, policy, expected) -> None:
     assert unit_names(ToyModel(), mesh, auto_wrap_policy=policy) == expected
 
 
-def test_a_cpu_mesh_gets_the_shared_memory_collectives_on_every_unit(mesh) -> None:
+def fsdp_comm_groups(model: nn.Module) -> list:
+    return [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def test_a_cpu_mesh_keeps_fsdp2s_own_collectives_by_default(mesh) -> None:
     model = ToyModel()
     unit_names(model, mesh, auto_wrap_policy={Block})
-    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = fsdp_comm_groups(model)
+    assert len(groups) == 4
+    # No custom comm hook: FSDP2 runs its own all-gather / reduce-scatter, as it does on nccl.
+    assert {type(g._all_gather_comm).__name__ for g in groups} == {"DefaultAllGather"}
+    assert {type(g._reduce_scatter_comm).__name__ for g in groups} == {"DefaultReduceScatter"}
+
+
+def test_shared_memory_cpu_collectives_go_on_every_unit_when_asked_for(mesh) -> None:
+    model = ToyModel()
+    unit_names(model, mesh, auto_wrap_policy={Block}, cpu_collectives="shared_memory")
+    groups = fsdp_comm_groups(model)
     assert len(groups) == 4
     assert {type(g._all_gather_comm) for g in groups} == {SharedMemoryAllGather}
     assert {type(g._reduce_scatter_comm) for g in groups} == {SharedMemoryReduceScatter}
@@ -126,6 +140,7 @@ def test_meta_model_without_reset_parameters_fails_loudly() -> None:
     [
         ({"sharding_strategy": "FULL"}, ValueError, "sharding_strategy='FULL'"),
         ({"state_dict_type": "zip"}, ValueError, "state_dict_type='zip'"),
+        ({"cpu_collectives": "shm"}, ValueError, "cpu_collectives='shm'"),
         ({"forward_prefetch": "yes"}, TypeError, "forward_prefetch='yes'"),
         ({"auto_wrap_policy": -5}, ValueError, "auto_wrap_policy=-5"),
         ({"auto_wrap_policy": True}, TypeError, "not a bool"),

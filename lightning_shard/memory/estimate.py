@@ -38,12 +38,13 @@ Example:
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from torch import nn
 
-from lightning_shard.config import ShardingConfig
+from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
+from lightning_shard.memory.simulate import simulate_memory
+from lightning_shard.memory.units import count_parameters, mesh_shape
 from lightning_shard.precision import PRECISION_ALIASES
 
 GIB = 2**30
@@ -62,77 +63,6 @@ _PRECISION_BYTES = {
 OPTIMIZER_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one rank holds in one place (device or host), by category."""
-
-    params: int = 0
-    grads: int = 0
-    optimizer_states: int = 0
-    gathered_peak: int = 0
-    activations: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.params + self.grads + self.optimizer_states + self.gathered_peak + self.activations
-
-    def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
-        return MemoryBreakdown(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
-
-    def to_dict(self) -> dict[str, int]:
-        return {"total_bytes": self.total_bytes, **asdict(self)}
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-rank memory of one training configuration; ``per_rank`` is device plus host."""
-
-    n_params: int
-    device: MemoryBreakdown
-    cpu: MemoryBreakdown
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def per_rank(self) -> MemoryBreakdown:
-        return self.device + self.cpu
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "n_params": self.n_params,
-            "per_rank": self.per_rank.to_dict(),
-            "device": self.device.to_dict(),
-            "cpu": self.cpu.to_dict(),
-            "config": self.config,
-        }
-
-
-def wrap_units(module: nn.Module) -> list[nn.Module]:
-    """The blocks a default wrap policy shards as units: the children of ``ModuleList`` / ``Sequential`` containers."""
-    return [
-        child
-        for container in module.modules()
-        if isinstance(container, (nn.ModuleList, nn.Sequential))
-        for child in container.children()
-        if any(True for _ in child.parameters())
-    ]
-
-
-def count_parameters(module: nn.Module) -> tuple[int, int]:
-    """``(total, largest unit)`` parameter counts; tied parameters count once, the root unit holds what no block does.
-
-    Example:
-        >>> count_parameters(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
-        (30, 20)
-    """
-    # module.parameters() yields a tied parameter once.
-    total = sum(p.numel() for p in module.parameters())
-    units = wrap_units(module)
-    unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
-    in_units = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(p.numel() for p in module.parameters() if id(p) not in in_units)
-    return total, max([root, *unit_sizes])
 
 
 def gpt_parameter_count(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> tuple[int, int]:
@@ -187,17 +117,6 @@ def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int) -> in
     return mesh_shape(sharding_strategy, world_size, num_nodes)[-1]
 
 
-def mesh_shape(sharding_strategy: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
-    """The strategy's data-parallel mesh for ``world_size`` ranks on ``num_nodes`` nodes (one node = one shard group).
-
-    Example:
-        >>> mesh_shape("HYBRID_SHARD", world_size=8, num_nodes=2)
-        (2, 4)
-    """
-    config = ShardingConfig(sharding_strategy=sharding_strategy)  # type: ignore[arg-type]
-    return config.mesh_shape(world_size, devices_per_node=world_size // num_nodes)
-
-
 def estimate_memory(
     model: nn.Module | int | Callable[[], nn.Module],
     *,
@@ -249,8 +168,6 @@ def estimate_memory(
         "seq_len": seq_len,
     }
     if mode == "simulate":
-        from lightning_shard.memory.simulate import simulate_memory
-
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
         return simulate_memory(model, input_fn, config)

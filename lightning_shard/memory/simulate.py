@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.memory.estimate import MemoryBreakdown, MemoryEstimate, count_parameters, mesh_shape, wrap_units
+from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
+from lightning_shard.memory.units import count_parameters, mesh_shape, wrap_units
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field.
 _CATEGORIES = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_shard.memory import estimate_memory
+from lightning_shard.memory.estimate import estimate_memory
 
 GIB = 2**30
 _OPTIONS = (("NO_SHARD", False), ("SHARD_GRAD_OP", False), ("FULL_SHARD", False), ("FULL_SHARD", True))

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard import integrity
+from lightning_shard.checkpoint import integrity
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
-from lightning_shard.shm_barrier import FutexBarrier, barrier_supported, page_bytes, pid_namespace
+from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
+from lightning_shard.cpu.shm_barrier import FutexBarrier, barrier_supported, page_bytes, pid_namespace
 
 SHM_DIR = Path("/dev/shm")
 # Per segment, two per process group. A collective larger than a segment runs in pieces, one barrier each: at 16 MiB

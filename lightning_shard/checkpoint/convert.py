@@ -1,0 +1,81 @@
+"""Checkpoint conversion and inspection: sharded directory <-> one ``torch.save`` file, and a summary of either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_shard.checkpoint.io import MODEL_KEY, WORLD_SIZE_KEY, is_sharded_checkpoint, read_sharded_keys
+
+
+def convert(src: Path, dst: Path) -> str:
+    """Convert a sharded checkpoint directory to one ``torch.save`` file, or the reverse; return the direction.
+
+    Example:
+        >>> convert(Path("out/last.ckpt"), Path("out/last-full.ckpt"))  # doctest: +SKIP
+        'sharded -> full'
+    """
+    if not src.exists():
+        raise FileNotFoundError(f"Checkpoint not found: {src}")
+    if dst.exists():
+        raise FileExistsError(f"The destination {dst} exists; choose a new path or remove it first.")
+    if is_sharded_checkpoint(src):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dcp_to_torch_save(src, dst)
+        return "sharded -> full"
+    if src.is_dir():
+        raise ValueError(f"{src} is a directory without torch.distributed.checkpoint metadata (.metadata).")
+    torch_save_to_dcp(src, dst)
+    return "full -> sharded"
+
+
+def inspect(path: Path) -> dict[str, Any]:
+    """Describe a checkpoint of either format: format, saving world size, step, parameters, top-level keys.
+
+    Example:
+        >>> inspect(Path("out/last.ckpt"))["format"]  # doctest: +SKIP
+        'sharded'
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint not found: {path}")
+    if is_sharded_checkpoint(path):
+        return _inspect_sharded(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory without torch.distributed.checkpoint metadata (.metadata).")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+        raise ValueError(f"{path} is not a Lightning checkpoint: it has no {MODEL_KEY!r} entry.")
+    weights = [t for t in checkpoint[MODEL_KEY].values() if isinstance(t, torch.Tensor)]
+    return {
+        "format": "full",
+        "saved_world_size": None,
+        "global_step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+        "n_params": sum(t.numel() for t in weights),
+        "param_bytes": sum(t.numel() * t.element_size() for t in weights),
+        "keys": sorted(checkpoint),
+    }
+
+
+def _inspect_sharded(path: Path) -> dict[str, Any]:
+    metadata = FileSystemReader(str(path)).read_metadata()
+    weights = {
+        key: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_KEY + ".") and isinstance(meta, TensorStorageMetadata)
+    }
+    scalars = read_sharded_keys(path, {"global_step", "epoch", WORLD_SIZE_KEY})
+    return {
+        "format": "sharded",
+        "saved_world_size": scalars.get(WORLD_SIZE_KEY),
+        "global_step": scalars.get("global_step"),
+        "epoch": scalars.get("epoch"),
+        "n_params": sum(meta.size.numel() for meta in weights.values()),
+        "param_bytes": sum(meta.size.numel() * meta.properties.dtype.itemsize for meta in weights.values()),
+        "keys": sorted({key.split(".", 1)[0] for key in metadata.state_dict_metadata}),
+    }
