@@ -70,7 +70,6 @@ def main() -> None:
 
     model_args = yaml.safe_load(Path(args.config).read_text())["model"]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
-    machine_start = machine()
     runs = []
     for repeat in range(args.repeats):
         for checkpointing in (False, True):
@@ -90,20 +89,37 @@ def main() -> None:
             key: median([r[key] for r in sel])
             for key in ("build_seconds", "checkpoint_wrap_seconds", "fully_shard_seconds", "total_seconds")
         }
+    config = Path(args.config).resolve()
+    config_name = str(config.relative_to(REPO)) if config.is_relative_to(REPO) else args.config
+    report = {
+        "title": "Building the 13B model on the meta device",
+        "question": f"How long does {config_name}'s model take to build on meta and wrap for {args.world_size} ranks?",
+        "columns": ["activation checkpointing", "build (s)", "AC wrap (s)", "fully_shard (s)", "total (s)"],
+        "rows": [
+            [name == "ac"]
+            + [
+                f"{summary[name][key]:.2f}"
+                for key in ("build_seconds", "checkpoint_wrap_seconds", "fully_shard_seconds", "total_seconds")
+            ]
+            for name in ("plain", "ac")
+        ],
+        "notes": [
+            f"{runs[0]['num_params']:,} parameters, {runs[0]['fsdp_units']} FSDP units, "
+            f"{runs[0]['param_bytes_per_rank'] / 2**30:.2f} GiB of sharded parameters per rank; median of "
+            f"{args.repeats} repeats, one process on a fake process group of {args.world_size}, no weight allocated."
+        ],
+    }
     write_json(
         Path(args.output),
         {
-            "benchmark": "meta_build",
             "command": "python benchmarks/meta_build.py " + " ".join(sys.argv[1:]),
-            "config": str(Path(args.config).relative_to(REPO))
-            if Path(args.config).is_relative_to(REPO)
-            else args.config,
+            "machine": machine(),
+            "config": config_name,
             "model": model_args,
             "world_size": args.world_size,
-            "machine_start": machine_start,
-            "machine_end": machine(),
             "runs": runs,
             "median": summary,
+            "report": report,
         },
     )
     dist.destroy_process_group()

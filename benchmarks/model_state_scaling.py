@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, machine, write_json
-from benchmarks.train_speed import MODEL, _launch
+from benchmarks.train_speed import MODEL, launch
 
 
 def main() -> None:
@@ -26,13 +26,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["fs"])
     parser.add_argument("--output", default=str(RESULTS / "model_state_scaling.json"))
     args = parser.parse_args()
-    machine_start = machine()
     rows = []
     start = time.perf_counter()
     for config in args.configs:
         for world in args.world_sizes:
             launch_args = argparse.Namespace(batch_size=1, warmup=0, steps=1, devices=world)
-            ranks = _launch(config, launch_args, RESULTS / "tmp_scaling")
+            ranks = launch(config, launch_args, RESULTS / "tmp_scaling")
             num_params = ranks[0]["num_params"]
             limit = 16 * num_params / world
             per_rank = [sum(r["model_state"].values()) for r in ranks]
@@ -52,16 +51,41 @@ def main() -> None:
                 f"limit {limit / 2**20:.2f} MiB, max/limit {row['max_over_limit']:.4f}",
                 flush=True,
             )
+    report = {
+        "title": "Model state per rank at 1, 2 and 4 ranks",
+        "question": "Does each rank hold 1/N of the parameters, gradients and AdamW states (16 bytes x params / N)?",
+        "columns": [
+            "config",
+            "ranks",
+            "parameters",
+            "limit 16 B x params / N (MiB)",
+            "max per rank (MiB)",
+            "max / limit",
+        ],
+        "rows": [
+            [
+                row["config"],
+                row["world_size"],
+                f"{row['num_params']:,}",
+                f"{row['limit_bytes'] / 2**20:.2f}",
+                f"{max(row['model_state_bytes']) / 2**20:.2f}",
+                f"{row['max_over_limit']:.4f}",
+            ]
+            for row in rows
+        ],
+        "notes": [
+            "Counted from the local shards at the end of one optimizer step (lightning_shard.memory.accounting)."
+        ],
+    }
     write_json(
         Path(args.output),
         {
-            "benchmark": "model_state_scaling",
             "command": "python benchmarks/model_state_scaling.py " + " ".join(sys.argv[1:]),
+            "machine": machine(),
             "model": MODEL,
-            "machine_start": machine_start,
-            "machine_end": machine(),
             "wall_seconds": time.perf_counter() - start,
             "rows": rows,
+            "report": report,
         },
     )
     print(f"wrote {args.output}")

@@ -4,7 +4,7 @@ FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``. On gloo the red
 all-reduce of the same input followed by a copy of this rank's chunk (gloo's reduce-scatter is not a ring), and the
 all-gather is no faster than gloo's list all-gather into views of the same output; both replacements write the same
 bytes. FSDP2 also allocates fresh comm buffers for every unit on every step, which on CPU means new pages and a
-fragmented heap; the buffers here are reused. ``benchmarks/gloo_collectives.py`` has the figures (2 ranks, one GPT
+fragmented heap; the buffers here are reused. Measured alone (``benchmarks/NOTES.md``; 2 ranks, one GPT
 block of 3.15M fp32 parameters: reduce-scatter 1.3x faster, a copy into a reused buffer 1.5x faster than into a
 fresh one; for the whole 19M-parameter model 2.0x and 3.2x). ``tests/test_gloo_comms.py`` checks the bytes.
 

@@ -6,7 +6,7 @@ waits at one barrier, and reads what it needs. The barrier is ``shm_barrier.Fute
 shared file) on x86-64 Linux, where every rank sees the others' pids; elsewhere gloo's.
 
 FULL_SHARD moves 1.5x DDP's bytes per step in about 20 synchronous collectives, so on a CPU host this is where its
-time goes (``benchmarks/gloo_collectives.py``, ``benchmarks/NOTES.md``). On 2 ranks the bytes written are those of
+time goes (``benchmarks/NOTES.md``). On 2 ranks the bytes written are those of
 ``all_gather_single`` / ``reduce_scatter_single``; on more, the reduce-scatter sums in another order than gloo, one
 rounding apart (``tests/test_shm_comms.py``).
 
