@@ -5,9 +5,12 @@ Every check here runs before any process starts, and every error names the value
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
+import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from lightning_shard.wrap import WrapPolicy, validate_policy
@@ -37,6 +40,7 @@ class ShardingConfig:
     hybrid_shard_size: int | None = None
     state_dict_type: StateDictType = "sharded"
     cpu_collectives: CpuCollectives = "gloo"
+    compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
@@ -44,6 +48,7 @@ class ShardingConfig:
         _check_choice("cpu_collectives", self.cpu_collectives, get_args(CpuCollectives))
         validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
         validate_policy(self.activation_checkpointing, "activation_checkpointing")
+        _check_compile(self.compile)
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
             raise TypeError(
                 f"`cpu_offload={self.cpu_offload!r}` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`."
@@ -86,6 +91,17 @@ class ShardingConfig:
                 )
 
     @property
+    def compile_kwargs(self) -> dict[str, Any] | None:
+        """``torch.compile`` keyword arguments for each FSDP unit, or ``None`` to run eagerly.
+
+        ``compile=True`` takes torch.compile's defaults (``fullgraph=False``: a model with a graph break still runs,
+        the break falling back to eager; pass ``{"fullgraph": True}`` to make one an error).
+        """
+        if self.compile is False:
+            return None
+        return {} if self.compile is True else dict(self.compile)
+
+    @property
     def unit_reshard_after_forward(self) -> bool | int:
         """``reshard_after_forward`` for the non-root units."""
         if self.reshard_after_forward is not None:
@@ -110,6 +126,28 @@ class ShardingConfig:
                 f"{world_size} (by default it is the devices per node)."
             )
         return (world_size // shard_size, shard_size)
+
+
+def _check_compile(value: object) -> None:
+    """``compile`` is a bool or torch.compile's keyword arguments; try them on a function now (no compilation
+    happens until it is called) so a misspelt mode, backend or option fails here, not after the processes start."""
+    if isinstance(value, bool):
+        return
+    example = "e.g. `{'mode': 'max-autotune'}`"
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`compile={value!r}` must be True, False or a dict of torch.compile arguments, {example}.")
+    accepted = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(str(key) for key in value if key not in accepted)
+    if unknown:
+        raise ValueError(f"`compile={dict(value)!r}`: {unknown} are not torch.compile arguments; use {accepted}.")
+    try:
+        torch.compile(_identity, **value)
+    except Exception as error:  # torch raises RuntimeError, AssertionError or its own InvalidBackend here
+        raise ValueError(f"`compile={dict(value)!r}` is refused by torch.compile: {error}") from error
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 def _check_choice(argument: str, value: object, choices: tuple[str, ...]) -> None:

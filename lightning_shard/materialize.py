@@ -34,8 +34,12 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
-def materialize_sharded_module(root: nn.Module, device: torch.device) -> None:
-    """Allocate ``root``'s meta tensors on ``device`` and initialise them module by module (see module docstring).
+def materialize_sharded_module(
+    root: nn.Module, device: torch.device, buffer_device: torch.device | None = None
+) -> None:
+    """Allocate ``root``'s meta tensors on ``device`` (buffers on ``buffer_device``, default ``device``) and initialise
+    them module by module (see module docstring). Under CPU offload the parameter shards belong in CPU memory and the
+    buffers on the compute device (:func:`~lightning_shard.devices.materialization_devices`).
 
     Raises:
         TypeError: naming the module classes that hold meta tensors but define no ``reset_parameters()``.
@@ -48,6 +52,7 @@ def materialize_sharded_module(root: nn.Module, device: torch.device) -> None:
     """
     if not has_meta_tensors(root):
         return
+    buffer_device = buffer_device or device
     owners = [m for m in root.modules() if next(_own_tensors(m), None) is not None]
     missing = sorted({type(m).__name__ for m in owners if not callable(getattr(m, "reset_parameters", None))})
     if missing:
@@ -59,7 +64,11 @@ def materialize_sharded_module(root: nn.Module, device: torch.device) -> None:
     # Allocate per owning module, not `root.to_empty()`: modules without parameters (torchmetrics metrics) would
     # have their states replaced by uninitialised memory.
     for module in owners:
+        buffers = dict(module.named_buffers(recurse=False))
         module.to_empty(device=device, recurse=False)
+        for name, buffer in buffers.items():
+            # A buffer built for real (not on meta) keeps its values where `fully_shard` put it (the compute device).
+            module._buffers[name] = torch.empty_like(buffer, device=buffer_device) if buffer.is_meta else buffer
     for module in root.modules():
         if isinstance(module, FSDPModule):
             # FSDP re-registers the new sharded parameters after any `_apply`; run it without changing a tensor.

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_shard.config import ShardingConfig
+from lightning_shard.devices import materialization_devices
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
 from lightning_shard.wrap import select_modules
 
@@ -66,6 +69,8 @@ def parallelize_module(
     units = select_modules(model, config.auto_wrap_policy, "auto_wrap_policy")
     checkpointed = select_modules(model, config.activation_checkpointing, "activation_checkpointing")
     wrappers = _apply_activation_checkpointing(model, checkpointed)
+    if config.compile_kwargs is not None:
+        _compile_units([wrappers.get(id(unit), unit) for unit in units], config.compile_kwargs)
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     sharded = [
@@ -86,10 +91,30 @@ def parallelize_module(
         register_fsdp_forward_method(model, name)
 
     if meta:
-        materialize_sharded_module(
-            model, torch.device("cpu") if isinstance(offload_policy, CPUOffloadPolicy) else device
+        parameter_device, buffer_device = materialization_devices(
+            device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
         )
+        materialize_sharded_module(model, parameter_device, buffer_device)
     return units
+
+
+def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> None:
+    """``torch.compile`` each unit in place (``Module.compile``), after activation checkpointing wraps it and before
+    ``fully_shard``, as torchtitan compiles each transformer block: the repeated blocks share one compiled graph,
+    checkpointing is traced as part of it, and FSDP2's hooks (registered afterwards, excluded from tracing) run
+    between the compiled blocks. In place, unlike ``torch.compile(module)``, so parameter names stay unchanged.
+
+    Nested units are compiled at the innermost level only: a compiled parent would trace its children's hooks.
+    """
+    if not units:
+        rank_zero_warn(
+            "`compile` compiles the FSDP units (e.g. transformer blocks), but `auto_wrap_policy` selected none, so "
+            "nothing is compiled; name the block class in `auto_wrap_policy`, e.g. `['Block']`."
+        )
+    selected = {id(unit) for unit in units}
+    for unit in units:
+        if not any(id(child) in selected for child in unit.modules() if child is not unit):
+            unit.compile(**compile_kwargs)
 
 
 def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) -> dict[int, nn.Module]:

@@ -51,7 +51,8 @@ class ShardedPrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
         reduce_dtype: dtype of the gradient reduce-scatter / all-reduce for the mixed precisions
             (default fp32; ``torch.bfloat16`` / ``torch.float16`` trade accuracy for bandwidth).
-        scaler: a ``ShardedGradScaler`` for ``"16-mixed"`` (one is created when omitted).
+        scaler: a ``ShardedGradScaler`` for ``"16-mixed"``. When omitted, the strategy creates one for its compute
+            device in ``setup`` (:meth:`use_device`).
 
     Example:
         >>> ShardedPrecision("bf16-mixed").mp_policy.param_dtype
@@ -80,8 +81,24 @@ class ShardedPrecision(Precision):
             raise ValueError(f"`precision={precision!r}` does not use a grad scaler, but one was given: {scaler}.")
         self.precision = precision  # type: ignore[assignment]
         self.reduce_dtype = reduce_dtype
-        self.scaler = scaler if scaler is not None or precision != "16-mixed" else _sharded_grad_scaler()
+        self.scaler = scaler
         self._compute_dtype = _COMPUTE_DTYPE[precision]
+
+    def use_device(self, device: torch.device) -> None:
+        """Create the default ``ShardedGradScaler`` for ``"16-mixed"`` on ``device``'s type, the accelerator the
+        strategy computes on - not on whether this machine has CUDA: with CPU offload on a GPU the scaler copies its
+        CPU inf flags to the device to reduce them over nccl, and a CPU job must not allocate on a GPU.
+
+        Example:
+            >>> plugin = ShardedPrecision("16-mixed")
+            >>> plugin.use_device(torch.device("cpu"))
+            >>> plugin.scaler._device
+            'cpu'
+        """
+        if self.precision == "16-mixed" and self.scaler is None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=device.type)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -180,11 +197,3 @@ def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
     """
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise TypeError(f"`reduce_dtype={reduce_dtype!r}` must be a floating torch.dtype such as torch.float32.")
-
-
-def _sharded_grad_scaler() -> Any:
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    # The device is fixed when the first gradients are unscaled; "cuda" is only the default for the tensors
-    # ShardedGradScaler allocates before it has seen one.
-    return ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")

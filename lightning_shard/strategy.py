@@ -24,7 +24,6 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -48,6 +47,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import CpuCollectives, ShardingConfig, StateDictType
+from lightning_shard.devices import place_unmanaged_state, process_group_backend_for
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
@@ -90,7 +90,10 @@ class ShardedStrategy(ParallelStrategy):
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
             through ``/dev/shm`` with reused buffers, and a periodic heap trim; see :mod:`lightning_shard.cpu`).
             No effect on GPU meshes.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        compile: ``torch.compile`` each FSDP unit (transformer block) before sharding, as torchtitan does: ``True``
+            (torch.compile's defaults) or a dict of its arguments (``{"mode": "max-autotune", "fullgraph": True}``).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device (``"cuda:nccl,cpu:gloo"`` with CPU
+            offload on GPUs: the offloaded gradients are reduced on the CPU when clipping).
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
 
@@ -119,6 +122,7 @@ class ShardedStrategy(ParallelStrategy):
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
         cpu_collectives: CpuCollectives = "gloo",
+        compile: bool | Mapping[str, Any] = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -133,6 +137,7 @@ class ShardedStrategy(ParallelStrategy):
             hybrid_shard_size=hybrid_shard_size,
             state_dict_type=state_dict_type,
             cpu_collectives=cpu_collectives,
+            compile=compile,
         )
         if start_method not in _START_METHODS:
             raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
@@ -262,8 +267,10 @@ class ShardedStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
+        # "auto" may choose CPU offload after the process group exists.
+        may_offload = bool(self.config.cpu_offload) or self.config.sharding_strategy == "auto"
+        self._process_group_backend = process_group_backend_for(
+            self.root_device, cpu_offload=may_offload, requested=self._process_group_backend
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
@@ -322,11 +329,13 @@ class ShardedStrategy(ParallelStrategy):
         _evaluate_without_inference_mode(trainer)
         if not isinstance(self.model, FSDPModule):
             self._shard_model()
+        self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.device_mesh["shard"].size() > 1:
                 _check_optimizers_are_elementwise(self.optimizers)
+        self.precision_plugin.use_device(self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -380,8 +389,10 @@ class ShardedStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # `fully_shard` places the managed parameters and buffers on the mesh's device (or on the CPU when offloading).
-        pass
+        # `fully_shard` placed the parameters and buffers (parameter shards on the CPU when offloading); the rest -
+        # torchmetrics states, `LightningModule.device` - follows here, or metrics would update on the wrong device.
+        assert self.model is not None
+        place_unmanaged_state(self.model, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -63,14 +63,17 @@ class ShardedMemoryMonitor(Callback):
             self._summarise()
 
     def _measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
+        # The strategy's device, not `pl_module.device`: a strategy that leaves the module's device property behind
+        # must not hide the CUDA figures.
+        device = trainer.strategy.root_device
         figures = {
             "params_bytes": parameter_bytes(pl_module.parameters()),
             "grads_bytes": self._last_grads_bytes,
             "optimizer_bytes": optimizer_state_bytes(trainer.optimizers),
             **host_memory(),
         }
-        if pl_module.device.type == "cuda":
-            figures.update(cuda_memory(pl_module.device))
+        if device.type == "cuda":
+            figures.update(cuda_memory(device))
         return figures
 
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -78,7 +81,8 @@ class ShardedMemoryMonitor(Callback):
         figures = self._measure(trainer, pl_module)
         names = list(figures)
         # float64 holds byte counts exactly up to 2**53 (8 PiB); one small collective per logging step.
-        local = torch.tensor([figures[n] for n in names], dtype=torch.float64, device=pl_module.device)
+        # On the strategy's device: nccl gathers device tensors only.
+        local = torch.tensor([figures[n] for n in names], dtype=torch.float64, device=trainer.strategy.root_device)
         gathered = trainer.strategy.all_gather(local).reshape(-1, len(names)).cpu().tolist()
         if not trainer.is_global_zero:
             return
