@@ -1,7 +1,7 @@
 """``ShardedStrategy``: Lightning's ``ParallelStrategy`` on FSDP2 ``fully_shard``.
 
 Lightning calls the hooks below in this order: ``setup_environment`` (process group, device mesh), the module's
-``configure_model`` inside ``tensor_init_context`` (meta device), ``setup`` (activation checkpointing, sharding,
+``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
 materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation steps,
 and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`.
 """
@@ -49,6 +49,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import CpuCollectives, ShardingConfig, StateDictType
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
+from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision, check_reduce_dtype
@@ -308,10 +309,17 @@ class ShardedStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Unless told otherwise, create on the meta device: `setup()` shards first and materialises afterwards,
-        # so a model larger than one rank's memory never exists whole.
-        meta = torch.device("meta") if empty_init is not False else nullcontext()
+        # Lightning's convention for `trainer.init_module(empty_init)`: the meta device only when asked for.
+        meta = meta_construction() if empty_init else nullcontext()
         with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # `configure_model()` builds on the meta device: `setup()` shards first and materialises afterwards, so a
+        # model larger than one rank's memory never exists whole.
+        with meta_construction():
             yield
 
     @override
