@@ -141,8 +141,8 @@ def _translate_sharding_strategy(settings: dict[str, Any]) -> None:
     value = settings["sharding_strategy"]
     if isinstance(value, ShardingStrategy):
         value = value.name
-    if isinstance(value, str) and value != "auto":
-        value = value.upper()
+    if isinstance(value, str) and value.upper() in ShardingStrategy.__members__:
+        value = value.upper()  # Lightning's FSDPStrategy accepts any case
     if value == "_HYBRID_SHARD_ZERO2":
         # FSDP1's HYBRID_SHARD that keeps the parameters gathered from forward to backward.
         if settings.get("reshard_after_forward") not in (None, False):

@@ -178,8 +178,9 @@ class FullSizeParameters:
                     if scratch or not isinstance(param, DTensor):
                         continue
                     if self.unset == "nan" and full.is_floating_point() and bool(full.isnan().any()):
+                        owner = type(module).__name__.removeprefix("FSDP" if isinstance(module, FSDPModule) else "")
                         raise RuntimeError(
-                            f"`{type(module).__name__}.{name}` was left uninitialised: its model's initialisation "
+                            f"`{owner}.{name}` was left uninitialised: its model's initialisation "
                             "(Hugging Face `_init_weights`) does not cover it. Build the model in `__init__` "
                             "instead of on the meta device, or load it with `lightning_shard.hf.from_pretrained`."
                         )
