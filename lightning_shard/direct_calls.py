@@ -4,10 +4,10 @@ FSDP gathers the root's parameters (embeddings, final norm, head - those in no s
 root's ``forward`` and the methods registered as forward methods (Lightning's step methods). After ``fit`` a direct
 call such as ``lightning_module.model.generate(...)`` or ``lightning_module.model(x)`` in a notebook would meet
 sharded root parameters ("mixed torch.Tensor and DTensor"). So the ``forward`` and ``generate`` of each direct child
-of the root run inside the root's FSDP forward hooks when the root's parameters are not gathered already (inside
-a step method they are, and the call goes straight through). Every rank must make the same calls: each gathers
-collectively. Hugging Face models are marked as FSDP-managed, so their ``generate`` keeps all ranks stepping
-together until every rank has finished (``synced_gpus``).
+of the root that holds parameters run inside the root's FSDP forward hooks when the root's parameters are not
+gathered already (inside a step method they are, and the call goes straight through). Every rank must make the
+same calls: each gathers collectively. Hugging Face models are marked as FSDP-managed, so their ``generate`` keeps
+all ranks stepping together until every rank has finished (``synced_gpus``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def gather_root_for_direct_calls(root: FSDPModule) -> None:
             child._is_fsdp_managed_module = True
         if isinstance(child, FSDPModule) or type(child).forward is nn.Module.forward:
             continue  # a unit gathers its own parameters; a container (ModuleList, ModuleDict) is never called
+        if next(child.parameters(), None) is None:
+            continue  # nothing to gather (a torchmetrics metric)
         for name in _METHODS:
             if callable(getattr(child, name, None)):
                 setattr(child, name, _gathering_root(root, getattr(child, name)))
