@@ -101,7 +101,7 @@ def materialize_sharded_module(root: nn.Module, device: torch.device) -> None:
     owner_ids = {id(m) for m in owners}
     for module in root.modules():
         if id(module) in hf_models:
-            hf_init.initialize_pretrained_model(module, device, swap)
+            hf_init.initialize_hf_model(module, device, swap)
         elif id(module) in owner_ids and id(module) not in in_hf_model:
             swap.swap_in(module)
             module.reset_parameters()  # type: ignore[operator]

@@ -137,8 +137,13 @@ def token_loader() -> DataLoader:
     return DataLoader(TensorDataset(tokens), batch_sampler=RankSliceBatchSampler(GLOBAL_BATCH))
 
 
-def fsdp1_arguments() -> dict[str, Any]:
-    """Lightning FSDPStrategy / FSDP1 spellings, which the strategy translates (GPT-2 trains under them)."""
+def strategy_arguments(name: str) -> dict[str, Any]:
+    """GPT-2 trains under Lightning FSDPStrategy / FSDP1 spellings, which the strategy translates; the pretrained
+    Llama with its decoder layers checkpointed ("auto": `_no_split_modules`), so loading sees checkpoint wrappers."""
+    if name == "pretrained":
+        return {"activation_checkpointing": "auto"}
+    if name != "gpt2":
+        return {}
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     return {
@@ -169,7 +174,7 @@ def run(name: str, devices: int, reference: bool, pretrained: str, out: Path) ->
     L.seed_everything(0, verbose=False)
     model = CausalLM(name, pretrained)
     read = _count_elements_read() if name == "pretrained" else None
-    strategy = fsdp1_arguments() if name == "gpt2" and not reference else {}
+    strategy = {} if reference else strategy_arguments(name)
     trainer, losses, states = fit(model, devices, reference, MAX_STEPS, **strategy)
     result: dict[str, Any] = {
         "losses": losses.losses,

@@ -140,7 +140,7 @@ def _pretrained_models_under_construction() -> tuple[nn.Module, ...]:
     return tuple(reversed(chain))
 
 
-def initialize_pretrained_model(model: nn.Module, device: torch.device, swap: FullSizeParameters) -> None:
+def initialize_hf_model(model: nn.Module, device: torch.device, swap: FullSizeParameters) -> None:
     """Initialise the sharded, freshly allocated ``model`` (a ``PreTrainedModel``) as transformers would: load its
     pretrained files when it was built by :func:`lightning_shard.hf.from_pretrained`, then run transformers' init
     for everything not loaded (replaying the constructors' draws first when nothing is loaded).

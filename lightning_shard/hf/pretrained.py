@@ -2,7 +2,7 @@
 
 ``lightning_shard.hf.from_pretrained(AutoModelForCausalLM, path)`` in ``configure_model()`` builds the model on the
 meta device from ``path``'s ``config.json`` and notes ``path`` on it. After sharding, materialisation
-(:func:`lightning_shard.hf.init.initialize_pretrained_model`) calls :func:`load_pretrained_shards`: every rank
+(:func:`lightning_shard.hf.init.initialize_hf_model`) calls :func:`load_pretrained_shards`: every rank
 reads only its own slices of the safetensors files, through torch.distributed.checkpoint's
 ``HuggingFaceStorageReader``, straight into its DTensor shards (as torchtitan loads HF weights); no rank ever holds
 the whole model. What the files do not hold (non-persistent buffers such as rotary ``inv_freq``, a new head) gets
