@@ -9,6 +9,7 @@ Importing the package registers the strategy names with Lightning's registry, so
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_shard import hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
 from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
 from lightning_shard.memory import (
@@ -34,5 +35,6 @@ __all__ = [
     "ShardingConfig",
     "estimate_memory",
     "format_estimate_table",
+    "hf",
     "is_sharded_checkpoint",
 ]

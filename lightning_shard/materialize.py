@@ -7,13 +7,17 @@ All ranks draw from rank 0's random-number stream, so for the same seed the weig
 on one process (where each module's constructor calls ``reset_parameters()`` in the same order), at any world
 size. Only one module's full parameters exist at a time - never the whole model.
 
+A Hugging Face ``PreTrainedModel`` in the tree is initialised at its place in that order as transformers itself
+initialises it - its ``_init_weights`` in transformers' order, buffers included - or loaded from its pretrained
+files; see :mod:`lightning_shard.hf.init`.
+
 DTensor's own random ops cannot give this: on the CPU each rank would draw its shard from its local generator.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +26,9 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_shard.hf import init as hf_init
+from lightning_shard.hf.pretrained import explain_meta_from_pretrained
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -32,6 +39,23 @@ def has_meta_tensors(module: nn.Module) -> bool:
         True
     """
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+@contextmanager
+def meta_construction() -> Iterator[None]:
+    """Create modules on the meta device, to be materialised after sharding by :func:`materialize_sharded_module`.
+
+    Also records the random draws of Hugging Face constructors (so materialisation can match an eager build) and
+    turns transformers' refusal of ``from_pretrained`` on the meta device into an error naming what works.
+
+    Example:
+        >>> with meta_construction():
+        ...     layer = nn.Linear(2, 2)
+        >>> layer.weight.is_meta
+        True
+    """
+    with explain_meta_from_pretrained(), torch.device("meta"), hf_init.record_constructor_draws():
+        yield
 
 
 def materialize_sharded_module(
@@ -53,8 +77,16 @@ def materialize_sharded_module(
     if not has_meta_tensors(root):
         return
     buffer_device = buffer_device or device
+    hf_models = {id(model): model for model in hf_init.outermost_pretrained_models(root)}
+    in_hf_model = {id(m) for model in hf_models.values() for m in model.modules()}
     owners = [m for m in root.modules() if next(_own_tensors(m), None) is not None]
-    missing = sorted({type(m).__name__ for m in owners if not callable(getattr(m, "reset_parameters", None))})
+    missing = sorted(
+        {
+            type(m).__name__
+            for m in owners
+            if id(m) not in in_hf_model and not callable(getattr(m, "reset_parameters", None))
+        }
+    )
     if missing:
         raise TypeError(
             f"The model was created on the meta device, but these modules hold parameters or buffers and define no "
@@ -74,41 +106,98 @@ def materialize_sharded_module(
             # FSDP re-registers the new sharded parameters after any `_apply`; run it without changing a tensor.
             module._apply(lambda tensor: tensor, recurse=False)
     _use_rank_zero_rng()
-    initialized: set[int] = set()
-    for module in owners:
-        with _full_size_parameters(module, initialized):
+    swap = FullSizeParameters()
+    owner_ids = {id(m) for m in owners}
+    for module in root.modules():
+        if id(module) in hf_models:
+            hf_init.initialize_hf_model(module, device, swap)
+        elif id(module) in owner_ids and id(module) not in in_hf_model:
+            swap.swap_in(module)
             module.reset_parameters()  # type: ignore[operator]
+            swap.mark_initialized(module)
+            swap.write_back(module)
 
 
 def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     return itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
 
 
-@contextmanager
-def _full_size_parameters(module: nn.Module, initialized: set[int]) -> Iterator[None]:
-    """Swap ``module``'s sharded (DTensor) parameters for full-size plain ones while its init runs, then copy
-    each rank's shard back. A parameter shared with an earlier module (tied weights) keeps its first init."""
-    sharded = {
-        name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor) or id(p) in initialized
-    }
-    for name, param in sharded.items():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        module._parameters[name] = nn.Parameter(
-            torch.empty(param.shape, dtype=param.dtype, device=local.device), requires_grad=param.requires_grad
+class FullSizeParameters:
+    """Swaps a module's sharded (DTensor) parameters for full-size plain ones while its initialisation runs, then
+    copies each rank's shard back. A parameter shared with a module initialised earlier (tied weights) keeps that
+    first init: the later module initialises a scratch tensor that is dropped.
+
+    Args:
+        unset: ``"empty"`` leaves the full-size tensors uninitialised (``reset_parameters()`` writes every value);
+            ``"nan"`` fills floating-point ones with NaN and :meth:`write_back` raises if an init left any (a
+            parameter that a Hugging Face ``_init_weights`` does not cover would otherwise be uninitialised memory).
+        keep: parameters to leave in place, not swapped (those already loaded from pretrained files).
+
+    Example:
+        >>> swap = FullSizeParameters()
+        >>> layer = nn.Linear(2, 2)
+        >>> swap.swap_in(layer); layer.reset_parameters(); swap.mark_initialized(layer); swap.write_back(layer)
+    """
+
+    def __init__(self, unset: str = "empty", keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+        self.unset = unset
+        self.keep = keep
+        self._initialized: set[int] = set()
+        # module id -> {name: (the module's own parameter, whether its full-size stand-in is scratch)}
+        self._pending: dict[int, dict[str, tuple[nn.Parameter, bool]]] = {}
+
+    def with_policy(self, unset: str, keep: Callable[[nn.Parameter], bool]) -> FullSizeParameters:
+        """The same record of initialised parameters under another ``unset`` / ``keep`` policy."""
+        other = FullSizeParameters(unset, keep)
+        other._initialized = self._initialized
+        return other
+
+    def swap_in(self, module: nn.Module) -> None:
+        if id(module) in self._pending:
+            return
+        swapped = {}
+        for name, param in module.named_parameters(recurse=False):
+            scratch = id(param) in self._initialized
+            if not (isinstance(param, DTensor) or scratch) or self.keep(param):
+                continue
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+            if self.unset == "nan" and not scratch and full.is_floating_point():
+                full.fill_(float("nan"))
+            module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+            swapped[name] = (param, scratch)
+        self._pending[id(module)] = swapped
+
+    def mark_initialized(self, module: nn.Module) -> None:
+        """Call once ``module``'s init has run: later modules sharing its parameters get scratch tensors."""
+        swapped = self._pending.get(id(module), {})
+        self._initialized.update(
+            id(swapped[name][0] if name in swapped else param) for name, param in module.named_parameters(recurse=False)
         )
-    try:
-        yield
-        with torch.no_grad():
-            for name, param in sharded.items():
-                if id(param) in initialized or not isinstance(param, DTensor):
-                    continue
-                full = module._parameters[name]
-                shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(shard.to_local())
-    finally:
-        for name, param in sharded.items():
-            module._parameters[name] = param
-        initialized.update(id(p) for p in module.parameters(recurse=False))
+
+    def write_back(self, module: nn.Module) -> None:
+        """Copy each rank's shard of ``module``'s full-size parameters into its DTensors and put them back."""
+        swapped = self._pending.pop(id(module), None)
+        if swapped is None:
+            return
+        try:
+            with torch.no_grad():
+                for name, (param, scratch) in swapped.items():
+                    full = module._parameters[name]
+                    if scratch or not isinstance(param, DTensor):
+                        continue
+                    if self.unset == "nan" and full.is_floating_point() and bool(full.isnan().any()):
+                        owner = type(module).__name__.removeprefix("FSDP" if isinstance(module, FSDPModule) else "")
+                        raise RuntimeError(
+                            f"`{owner}.{name}` was left uninitialised: its model's initialisation "
+                            "(Hugging Face `_init_weights`) does not cover it. Build the model in `__init__` "
+                            "instead of on the meta device, or load it with `lightning_shard.hf.from_pretrained`."
+                        )
+                    shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(shard.to_local())
+        finally:
+            for name, (param, _) in swapped.items():
+                module._parameters[name] = param
 
 
 def _use_rank_zero_rng() -> None:

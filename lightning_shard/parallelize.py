@@ -30,6 +30,7 @@ from torch.distributed.fsdp import (
 
 from lightning_shard.config import ShardingConfig
 from lightning_shard.devices import materialization_devices
+from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
 from lightning_shard.wrap import select_modules
 
@@ -89,6 +90,8 @@ def parallelize_module(
         install_shared_memory_collectives(model)
     for name in forward_methods:
         register_fsdp_forward_method(model, name)
+    # `lightning_module.model.generate(...)` after fit, outside the step methods
+    gather_root_for_direct_calls(model)
 
     if meta:
         parameter_device, buffer_device = materialization_devices(

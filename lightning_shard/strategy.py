@@ -1,7 +1,7 @@
 """``ShardedStrategy``: Lightning's ``ParallelStrategy`` on FSDP2 ``fully_shard``.
 
 Lightning calls the hooks below in this order: ``setup_environment`` (process group, device mesh), the module's
-``configure_model`` inside ``tensor_init_context`` (meta device), ``setup`` (activation checkpointing, sharding,
+``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
 materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation steps,
 and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`.
 """
@@ -9,6 +9,7 @@ and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.S
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -48,7 +49,9 @@ from typing_extensions import override
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import CpuCollectives, ShardingConfig, StateDictType
 from lightning_shard.devices import place_unmanaged_state, process_group_backend_for
+from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
+from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision, check_reduce_dtype
@@ -75,7 +78,8 @@ class ShardedStrategy(ParallelStrategy):
             ``"auto"`` (the least communication whose memory estimate fits the device; see ``auto_sharding``).
         auto_wrap_policy: which submodules become FSDP units: module classes, class names (``["Block"]``), a
             minimum parameter count, a callable ``module -> bool``, ``None`` (the root only) or ``"auto"``
-            (the block class repeated in ``ModuleList``/``Sequential`` containers).
+            (a Hugging Face model's ``_no_split_modules``, else the block class repeated in ``ModuleList`` /
+            ``Sequential`` containers).
         activation_checkpointing: which submodules recompute their activations in backward, in the same forms.
         reshard_after_forward: override the strategy's choice for every unit (bool, or an int shard size).
         forward_prefetch: issue each unit's forward all-gather while the unit before it computes (FSDP1's
@@ -96,6 +100,11 @@ class ShardedStrategy(ParallelStrategy):
             offload on GPUs: the offloaded gradients are reduced on the CPU when clipping).
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script, like DDP) or ``"spawn"`` / ``"fork"`` / ``"forkserver"``.
+        **fsdp_strategy_arguments: Lightning ``FSDPStrategy`` names (``activation_checkpointing_policy``,
+            ``save_distributed_checkpoint``, ``device_mesh=(replicas, shard_size)``) are translated, as are FSDP1
+            values (``ShardingStrategy`` enums, ``CPUOffload``, ``ModuleWrapPolicy``, ...); those without an FSDP2
+            meaning (``mixed_precision``, ``use_orig_params``, ...) are refused with the replacement. See
+            :mod:`lightning_shard.fsdp1_compat`.
 
     Example:
         >>> import lightning as L
@@ -126,18 +135,25 @@ class ShardedStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **fsdp_strategy_arguments: Any,
     ) -> None:
+        settings = translate_fsdp_strategy_arguments(
+            {
+                "sharding_strategy": sharding_strategy,
+                "auto_wrap_policy": auto_wrap_policy,
+                "activation_checkpointing": activation_checkpointing,
+                "reshard_after_forward": reshard_after_forward,
+                "cpu_offload": cpu_offload,
+                "hybrid_shard_size": hybrid_shard_size,
+                "state_dict_type": state_dict_type,
+            },
+            fsdp_strategy_arguments,
+            accepted=[
+                name for name in inspect.signature(ShardedStrategy).parameters if name != "fsdp_strategy_arguments"
+            ],
+        )
         self.config = ShardingConfig(
-            sharding_strategy=sharding_strategy,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing=activation_checkpointing,
-            reshard_after_forward=reshard_after_forward,
-            forward_prefetch=forward_prefetch,
-            cpu_offload=cpu_offload,
-            hybrid_shard_size=hybrid_shard_size,
-            state_dict_type=state_dict_type,
-            cpu_collectives=cpu_collectives,
-            compile=compile,
+            forward_prefetch=forward_prefetch, cpu_collectives=cpu_collectives, compile=compile, **settings
         )
         if start_method not in _START_METHODS:
             raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
@@ -161,7 +177,7 @@ class ShardedStrategy(ParallelStrategy):
         if async_save:
             if checkpoint_io is not None:
                 raise ValueError("Pass `async_save` to your `ShardedCheckpointIO(async_save=True)`, not to both.")
-            if state_dict_type != "sharded":
+            if self.config.state_dict_type != "sharded":
                 raise ValueError("`async_save=True` writes sharded checkpoints; use `state_dict_type='sharded'`.")
             self._checkpoint_io = ShardedCheckpointIO(async_save=True)
 
@@ -315,10 +331,17 @@ class ShardedStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Unless told otherwise, create on the meta device: `setup()` shards first and materialises afterwards,
-        # so a model larger than one rank's memory never exists whole.
-        meta = torch.device("meta") if empty_init is not False else nullcontext()
+        # Lightning's convention for `trainer.init_module(empty_init)`: the meta device only when asked for.
+        meta = meta_construction() if empty_init else nullcontext()
         with meta, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # `configure_model()` builds on the meta device: `setup()` shards first and materialises afterwards, so a
+        # model larger than one rank's memory never exists whole.
+        with meta_construction():
             yield
 
     @override

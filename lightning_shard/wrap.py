@@ -7,7 +7,8 @@ The user describes the modules in one of the forms fairseq, Hugging Face Acceler
 * an ``int`` - the minimum number of parameters a unit must hold (fairseq ``min_num_params``, SIZE_BASED_WRAP);
 * a callable ``module -> bool``;
 * ``None`` - no submodule (NO_WRAP: only the root is sharded);
-* ``"auto"`` - the block class repeated inside ``nn.ModuleList`` / ``nn.Sequential`` containers (none: root only).
+* ``"auto"`` - the block classes a Hugging Face model names in ``_no_split_modules``; otherwise the block class
+  repeated inside ``nn.ModuleList`` / ``nn.Sequential`` containers (none: root only).
 
 Everything here is a pure function of the model and the policy, so it is tested without processes.
 """
@@ -19,6 +20,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
+
+from lightning_shard.fsdp1_compat import is_fsdp1_policy
 
 WrapPolicy = str | int | type | Iterable[Any] | Callable[[nn.Module], bool] | None
 
@@ -38,6 +41,13 @@ def validate_policy(policy: Any, argument: str) -> None:
         ...
         ValueError: `auto_wrap_policy=-1`: a minimum parameter count must be a positive int, e.g. `100_000_000`.
     """
+    if is_fsdp1_policy(policy):
+        raise TypeError(
+            f"`{argument}={policy!r}` is an FSDP1 policy (called with `module, recurse, nonwrapped_numel`). "
+            "ShardedStrategy(...) translates ModuleWrapPolicy and transformer_auto_wrap_policy / "
+            "lambda_auto_wrap_policy partials; here pass the block classes, an int minimum parameter count or a "
+            "callable `module -> bool`."
+        )
     if policy is None or callable(policy) and not isinstance(policy, type):
         return
     if isinstance(policy, bool):
@@ -117,6 +127,9 @@ def _matcher(root: nn.Module, policy: WrapPolicy, argument: str) -> Callable[[nn
     if isinstance(policy, int):
         return _size_matcher(policy)
     if policy == _AUTO:
+        names = _no_split_class_names(root)
+        if names:
+            return lambda module: type(module).__name__ in names
         # No repeated block (a small or flat model) selects nothing: the root alone becomes the one unit.
         classes = tuple(_repeated_block_classes(root))
         return lambda module: isinstance(module, classes)
@@ -168,6 +181,17 @@ def _resolve_class(root: nn.Module, entry: type | str, argument: str) -> type:
         f"Candidate block classes: {candidate_block_classes(root)}; or pass the class itself / its full "
         "import path (e.g. 'my_pkg.model.Block')."
     )
+
+
+def _no_split_class_names(root: nn.Module) -> set[str]:
+    """The block classes Hugging Face models declare in ``_no_split_modules`` (what Accelerate wraps), keeping the
+    names that match a module in ``root``; found by duck typing, without importing transformers."""
+    declared: set[str] = set()
+    for module in root.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if isinstance(names, (list, tuple, set)):
+            declared.update(name for name in names if isinstance(name, str))
+    return declared & {type(module).__name__ for module in root.modules()}
 
 
 def _repeated_block_classes(root: nn.Module) -> list[type]:
