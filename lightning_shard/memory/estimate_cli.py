@@ -7,7 +7,8 @@ are printed next to the formula's.
 
 Example:
     $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --json
-    $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --mode simulate
+    $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --mode simulate \
+        --model-class examples.gpt.model.GPT
 """
 
 import argparse
@@ -31,6 +32,8 @@ from lightning_shard.memory.estimate import (
 )
 
 _GPT_DIMS = ("n_layer", "n_embd", "vocab_size", "block_size")
+# What `estimate_from_config` returns besides the `estimate_memory` keyword arguments.
+_NOT_OPTIONS = ("model", "model_class", "init_args")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
         "--mode",
         choices=("formula", "simulate"),
         default="formula",
-        help="simulate: also train two steps under fake tensors (no real memory; about a minute for 13B)",
+        help="simulate: also train two steps under fake tensors (no real storage; 13B: 1.5 minutes)",
     )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of tables")
     return parser
@@ -202,9 +205,6 @@ def estimate_main(argv: list[str] | None = None) -> int:
     print("\nAll options:")
     print(format_estimate_table(options["model"], **{k: v for k, v in options.items() if k not in _NOT_OPTIONS}))
     return 0
-
-
-_NOT_OPTIONS = ("model", "model_class", "init_args")
 
 
 def _gib(values: dict[str, int]) -> str:
