@@ -18,6 +18,8 @@ from lightning_shard.wrap import WrapPolicy, validate_policy
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"]
 StateDictType = Literal["sharded", "full"]
 CpuCollectives = Literal["gloo", "shared_memory"]
+# Where gradients accumulate over the micro-batches of one optimizer step (Trainer(accumulate_grad_batches=k)).
+GradientAccumulation = Literal["sharded", "unsharded"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,18 @@ class ShardingConfig:
     state_dict_type: StateDictType = "sharded"
     cpu_collectives: CpuCollectives = "gloo"
     compile: bool | Mapping[str, Any] = False
+    gradient_accumulation: GradientAccumulation = "sharded"
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
         _check_choice("state_dict_type", self.state_dict_type, get_args(StateDictType))
         _check_choice("cpu_collectives", self.cpu_collectives, get_args(CpuCollectives))
+        if isinstance(self.gradient_accumulation, int):
+            raise TypeError(
+                f"`gradient_accumulation={self.gradient_accumulation!r}` says where gradients accumulate, 'sharded' "
+                "or 'unsharded'; the number of micro-batches is the Trainer's `accumulate_grad_batches`."
+            )
+        _check_choice("gradient_accumulation", self.gradient_accumulation, get_args(GradientAccumulation))
         validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
         validate_policy(self.activation_checkpointing, "activation_checkpointing")
         _check_compile(self.compile)

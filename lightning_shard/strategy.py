@@ -2,8 +2,9 @@
 
 Lightning calls the hooks below in this order: ``setup_environment`` (process group, device mesh), the module's
 ``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
-materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation steps,
-and ``save_checkpoint`` / ``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`.
+materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation micro-batches
+(it skips the gradient reduce-scatter only under ``gradient_accumulation="unsharded"``), and ``save_checkpoint`` /
+``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.config import CpuCollectives, ShardingConfig, StateDictType
+from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingConfig, StateDictType
 from lightning_shard.devices import place_unmanaged_state, process_group_backend_for
 from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
@@ -94,6 +95,14 @@ class ShardedStrategy(ParallelStrategy):
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
             through ``/dev/shm`` with reused buffers, and a periodic heap trim; see :mod:`lightning_shard.cpu`).
             No effect on GPU meshes.
+        gradient_accumulation: where gradients accumulate over ``Trainer(accumulate_grad_batches=k)`` micro-batches.
+            ``"sharded"`` (default, as Lightning's FSDP strategies and torchtitan): every micro-batch's gradients are
+            reduce-scattered and summed into the sharded gradients, so each rank holds ``1/N`` of them.
+            ``"unsharded"``: non-final micro-batches skip the reduce-scatter (FSDP2
+            ``set_requires_gradient_sync(False)``): less communication, but every rank keeps each parameter's whole
+            gradient (in the reduce dtype, fp32 under the mixed precisions) on the device until the last micro-batch,
+            4 bytes x parameters more (48 GiB per rank for the 13B GPT), with or without CPU offload. For when memory
+            allows.
         compile: ``torch.compile`` each FSDP unit (transformer block) before sharding, as torchtitan does: ``True``
             (torch.compile's defaults) or a dict of its arguments (``{"mode": "max-autotune", "fullgraph": True}``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device (``"cuda:nccl,cpu:gloo"`` with CPU
@@ -132,6 +141,7 @@ class ShardedStrategy(ParallelStrategy):
         async_save: bool = False,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
+        gradient_accumulation: GradientAccumulation = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -153,7 +163,11 @@ class ShardedStrategy(ParallelStrategy):
             ],
         )
         self.config = ShardingConfig(
-            forward_prefetch=forward_prefetch, cpu_collectives=cpu_collectives, compile=compile, **settings
+            forward_prefetch=forward_prefetch,
+            cpu_collectives=cpu_collectives,
+            compile=compile,
+            gradient_accumulation=gradient_accumulation,
+            **settings,
         )
         if start_method not in _START_METHODS:
             raise ValueError(f"`start_method={start_method!r}` is not one of {_START_METHODS}.")
@@ -389,6 +403,8 @@ class ShardedStrategy(ParallelStrategy):
             world_size=self.world_size,
             precision=self.precision_plugin.precision,
             activation_checkpointing=self.config.activation_checkpointing is not None,
+            accumulate_grad_batches=self.lightning_module.trainer.accumulate_grad_batches,
+            gradient_accumulation=self.config.gradient_accumulation,
             device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),
             can_offload=self.root_device.type == "cuda",
         )
@@ -434,8 +450,9 @@ class ShardedStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduce-scatter on non-final accumulation micro-batches (FSDP2 ``no_sync``)."""
-        if not isinstance(self.model, FSDPModule):
+        """Around non-final accumulation micro-batches: under ``gradient_accumulation="unsharded"`` skip the gradient
+        reduce-scatter (FSDP2 keeps whole gradients until the last micro-batch); by default reduce-scatter anyway."""
+        if self.config.gradient_accumulation == "sharded" or not isinstance(self.model, FSDPModule):
             yield
             return
         self.model.set_requires_gradient_sync(False)

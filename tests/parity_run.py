@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import FULL, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402,F401
+from lightning_shard.memory.accounting import gradient_bytes, held_bytes, unsharded_gradients  # noqa: E402
 
 GLOBAL_BATCH = 8
 MAX_STEPS = 8
+ACCUMULATE = 4
 
 # name -> (ShardedStrategy kwargs, Trainer kwargs, ToyModel kwargs)
 SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
@@ -36,7 +38,9 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),
     "clip_norm": ({}, {"gradient_clip_val": 0.05}, {}),
     "clip_value": ({}, {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}, {}),
-    "accumulate": ({}, {"accumulate_grad_batches": 2}, {}),
+    # gradients reduce-scattered every micro-batch (the default) / kept whole until the 4th
+    "accumulate": ({}, {"accumulate_grad_batches": ACCUMULATE}, {}),
+    "accumulate_unsharded": ({"gradient_accumulation": "unsharded"}, {"accumulate_grad_batches": ACCUMULATE}, {}),
     "meta_init": ({}, {}, {"build": "configure"}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
     "forward_prefetch": ({"forward_prefetch": True}, {}, {}),
@@ -61,13 +65,13 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         trainer_kwargs = {"plugins": [lightning_shard.ShardedPrecision(trainer_kwargs["plugins"])]}
     L.seed_everything(0, verbose=False)
     model = ToyModel(**model_kwargs)
-    recorder = GlobalLossRecorder()
+    recorder, held = GlobalLossRecorder(), HeldGradientRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=_strategy(reference, **strategy_kwargs),
         max_steps=MAX_STEPS,
-        callbacks=[recorder],
+        callbacks=[recorder, held],
         **QUIET,
         **trainer_kwargs,
     )
@@ -77,12 +81,29 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         "forward_dtypes": getattr(model.blocks[0], "seen_dtypes", None),  # None: the forward ran in workers
         "stored_dtype": str(next(model.parameters()).dtype),
         "sharding_strategy": getattr(trainer.strategy, "config", None) and trainer.strategy.config.sharding_strategy,
+        "held_gradient_bytes": held.bytes,
     }
     if name == "evaluate":
         result.update(_evaluate(trainer, model, devices, reference))
     result["weights"] = get_model_state_dict(model, options=FULL)
     if trainer.is_global_zero:
         torch.save(result, out / f"{name}.pt")
+
+
+class HeldGradientRecorder(L.Callback):
+    """After each micro-batch's backward, the bytes of gradients FSDP2 holds on this rank: the whole ones it keeps
+    between micro-batches whose reduce-scatter was skipped, and the (local shards of the) sharded ones."""
+
+    def __init__(self) -> None:
+        self.bytes: list[dict[str, int]] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.bytes.append(
+            {
+                "unsharded": held_bytes(unsharded_gradients(pl_module)),
+                "sharded": gradient_bytes(pl_module.parameters()),
+            }
+        )
 
 
 def _evaluate(trainer: L.Trainer, model: ToyModel, devices: int, reference: bool) -> dict[str, Any]:

@@ -180,9 +180,122 @@ def test_estimate_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[s
     payload = json.loads(capsys.readouterr().out)
     assert payload["n_params"] == 64 * 32 + 32
     per_rank = payload["per_rank"]
-    assert set(per_rank) == {"total_bytes", "params", "grads", "optimizer_states", "gathered_peak", "activations"}
+    assert set(per_rank) == {
+        "total_bytes",
+        "params",
+        "grads",
+        "accumulated_grads",
+        "optimizer_states",
+        "gathered_peak",
+        "activations",
+    }
+    assert payload["device"]["total_bytes"] + payload["cpu"]["total_bytes"] == per_rank["total_bytes"]
     assert per_rank["total_bytes"] == sum(v for k, v in per_rank.items() if k != "total_bytes")
     assert per_rank["params"] == (64 * 32 + 32) * 4 // 4  # fp32 shards over 4 ranks
+
+
+def test_whole_gradients_kept_between_micro_batches_are_counted_on_the_device() -> None:
+    n = 1_000_000
+    settings = {"world_size": 4, "precision": "bf16-mixed", "largest_unit_params": 0}
+    sharded = estimate_memory(n, **settings, accumulate_grad_batches=8)
+    unsharded = estimate_memory(n, **settings, accumulate_grad_batches=8, gradient_accumulation="unsharded")
+    one_micro_batch = estimate_memory(n, **settings, accumulate_grad_batches=1, gradient_accumulation="unsharded")
+    assert sharded.device == one_micro_batch.device == estimate_memory(n, **settings).device
+    assert sharded.device.accumulated_grads == 0 and sharded.device.grads == n * 4 // 4
+    # whole fp32 gradients on every rank; the sharded ones do not exist meanwhile
+    assert unsharded.device.accumulated_grads == 4 * n and unsharded.device.grads == 0
+    assert unsharded.device.total_bytes - sharded.device.total_bytes == 4 * n - n
+    # with offload the whole gradients stay on the device (they belong to the gathered parameters), the sharded
+    # ones are on the host
+    offloaded = estimate_memory(
+        n, **settings, cpu_offload=True, accumulate_grad_batches=8, gradient_accumulation="unsharded"
+    )
+    assert offloaded.device.accumulated_grads == 4 * n and offloaded.cpu.grads == n
+    with pytest.raises(ValueError, match="gradient_accumulation.*'whole'"):
+        estimate_memory(n, gradient_accumulation="whole")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be at least 1, got 0"):
+        estimate_memory(n, accumulate_grad_batches=0)
+
+
+def test_estimate_cli_reads_accumulation_from_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "accumulate.yaml"
+    body = (
+        "trainer:\n  devices: 2\n  accumulate_grad_batches: 4\n"
+        "  strategy:\n    class_path: lightning_shard.ShardedStrategy\n    init_args: {GA}\n"
+        "model:\n  class_path: torch.nn.Linear\n  init_args: {in_features: 64, out_features: 32}\n"
+    )
+    n_params = 64 * 32 + 32
+    accumulated = {}
+    for setting in ("{}", "{gradient_accumulation: unsharded}"):
+        config.write_text(body.replace("{GA}", setting))
+        assert estimate_main(["--config", str(config), "--json"]) == 0
+        accumulated[setting] = json.loads(capsys.readouterr().out)["device"]["accumulated_grads"]
+    assert accumulated == {"{}": 0, "{gradient_accumulation: unsharded}": 4 * n_params}
+    # the command line overrides the strategy's setting
+    assert estimate_main(["--config", str(config), "--json", "--gradient-accumulation", "sharded"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"]["accumulated_grads"] == 0
+
+
+def test_shipped_13b_configs_fit_their_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    # 8 GPUs: accumulating 64 micro-batches sharded leaves the per-rank total of model states, gathered units and
+    # activations (31.4 GiB) well within an 80 GiB GPU; whole gradients would add 48 GiB less the 6 sharded.
+    assert estimate_main(["--config", "configs/gpt3_13b.yaml", "--devices", "8", "--json"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    assert eight["device"]["accumulated_grads"] == 0
+    assert 30 * GIB < eight["device"]["total_bytes"] < 33 * GIB
+    # one GPU with offload: the host holds the 16 bytes per parameter, the device a few GiB
+    assert estimate_main(["--config", "configs/gpt3_13b_1gpu_offload.yaml", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["cpu"]["total_bytes"] == 16 * one["n_params"]
+    assert one["device"]["total_bytes"] < 6 * GIB and one["device"]["accumulated_grads"] == 0
+
+
+def _gpt(**dims: int) -> nn.Module:
+    from examples.gpt.model import GPT
+
+    model = GPT(**dims)
+    model.configure_model()
+    return model
+
+
+def test_simulate_cli_matches_the_formula_with_whole_gradients(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A small GPT trained for two steps under fake tensors, 4 micro-batches accumulated whole, bf16-mixed (FSDP2
+    # upcasts the whole gradients to fp32 between micro-batches).
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the model class is imported from examples/
+    config = tmp_path / "gpt.yaml"
+    config.write_text(
+        "trainer:\n  devices: 4\n  precision: bf16-mixed\n  accumulate_grad_batches: 4\n"
+        "  strategy:\n    class_path: lightning_shard.ShardedStrategy\n"
+        "    init_args: {gradient_accumulation: unsharded, activation_checkpointing: [Block]}\n"
+        "model:\n  class_path: examples.gpt.model.GPT\n"
+        "  init_args: {n_layer: 2, n_head: 4, n_embd: 128, vocab_size: 512, block_size: 128}\n"
+        "data:\n  batch_size: 8\n"
+    )
+    assert estimate_main(["--config", str(config), "--mode", "simulate", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    formula, simulated = payload["formula"]["device"], payload["simulated"]["device"]
+    n_params = payload["n_params"]
+    assert simulated["accumulated_grads"] == formula["accumulated_grads"] == 4 * n_params
+    for category in ("params", "grads", "optimizer_states"):
+        assert simulated[category] == pytest.approx(formula[category], rel=0.01), category
+    model_states = sum(formula[c] for c in ("params", "grads", "accumulated_grads", "optimizer_states"))
+    # the formula adds every activation and three gathered units at once: an upper bound of the simulated peak
+    assert model_states < simulated["total_bytes"] <= formula["total_bytes"]
+
+
+def test_simulating_a_model_too_big_for_this_machine_allocates_no_real_storage() -> None:
+    # 2.0e9 parameters (8 GB in fp32 whole; 16 GB of parameters, gradients and AdamW states per rank on 2 ranks)
+    dims = {"n_layer": 2, "n_head": 64, "n_embd": 8192, "vocab_size": 50272, "block_size": 64}
+    simulated = estimate_memory(
+        partial(_gpt, **dims), mode="simulate", world_size=2, input_fn=partial(torch.randint, 0, 50272, (1, 64))
+    )
+    assert simulated.n_params > 2e9
+    assert simulated.device.total_bytes > 16e9
+    assert simulated.simulation is not None
+    # the simulating process's peak RSS: the interpreter, torch and fake tensors only
+    assert simulated.simulation["peak_rss_bytes"] < 1.5 * GIB < simulated.n_params * 4 / 5
 
 
 def test_estimate_cli_falls_back_to_gpt_formula(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_script
+from parity_run import ACCUMULATE, MAX_STEPS
 
 FP32 = [
     "full",
@@ -21,6 +22,7 @@ FP32 = [
     "clip_norm",
     "clip_value",
     "accumulate",
+    "accumulate_unsharded",
     "meta_init",
     "checkpointing",
     "forward_prefetch",
@@ -60,6 +62,22 @@ def test_two_ranks_match_one_process(results: dict[str, Path], scenario: str) ->
     assert two["losses"] == pytest.approx(ref["losses"], abs=TOL)
     assert max_weight_diff(two["weights"], ref["weights"]) < TOL
     assert two["losses"][-1] < two["losses"][0], "the toy model should learn"
+
+
+def test_gradients_held_between_micro_batches(results: dict[str, Path]) -> None:
+    # Accumulating 4 micro-batches per step: by default every micro-batch is reduce-scattered, so each rank holds its
+    # shard of the gradients only; gradient_accumulation="unsharded" holds the whole fp32 gradients on every rank
+    # from the first micro-batch to the last one's reduce-scatter, and no sharded ones meanwhile.
+    whole = 4 * sum(t.numel() for t in load(results, "ref", "accumulate")["weights"].values())
+    sharded_run = load(results, "two", "accumulate")["held_gradient_bytes"]
+    unsharded_run = load(results, "two", "accumulate_unsharded")["held_gradient_bytes"]
+    assert len(sharded_run) == len(unsharded_run) == ACCUMULATE * MAX_STEPS
+    shard = sharded_run[0]["sharded"]
+    assert whole / 2 <= shard <= 1.1 * whole / 2  # half of each parameter, padded to split evenly
+    assert sharded_run == [{"unsharded": 0, "sharded": shard}] * len(sharded_run)
+    for micro_batch, held in enumerate(unsharded_run):
+        final = micro_batch % ACCUMULATE == ACCUMULATE - 1
+        assert held == ({"unsharded": 0, "sharded": shard} if final else {"unsharded": whole, "sharded": 0})
 
 
 def test_spawn_launcher_returns_the_trained_weights(results: dict[str, Path]) -> None:

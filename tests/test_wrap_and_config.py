@@ -160,6 +160,8 @@ def test_meta_model_without_reset_parameters_fails_loudly() -> None:
         ({"reduce_dtype": torch.int8}, TypeError, "reduce_dtype"),
         ({"sharding_strategy": "auto", "cpu_offload": True}, ValueError, "sharding_strategy='auto'"),
         ({"async_save": True, "state_dict_type": "full"}, ValueError, "state_dict_type='sharded'"),
+        ({"gradient_accumulation": "whole"}, ValueError, "gradient_accumulation='whole'"),
+        ({"gradient_accumulation": 4}, TypeError, "gradient_accumulation=4.*accumulate_grad_batches"),
     ],
 )
 def test_bad_settings_raise_at_construction(kwargs, error, match) -> None:
@@ -188,6 +190,7 @@ def test_registry_names(name: str, sharding: str, offload: bool) -> None:
     assert isinstance(trainer.strategy, ShardedStrategy)
     assert trainer.strategy.config.sharding_strategy == sharding
     assert trainer.strategy.config.cpu_offload is offload
+    assert trainer.strategy.config.gradient_accumulation == "sharded"
     assert trainer._accelerator_connector.is_distributed
 
 
@@ -227,11 +230,12 @@ def test_timeout_is_accepted_as_timedelta() -> None:
 @pytest.mark.parametrize(
     ("memory_mib", "expected"),
     [
-        # budget = 70% of the memory; 4M fp32 parameters with AdamW: 61 MiB of model state whole
-        (1024, ("NO_SHARD", False)),  # 61 MiB fits: least communication wins
-        (70, ("SHARD_GRAD_OP", False)),  # 30.5 MiB sharded + all units gathered 15.3 MiB = 45.8 <= 49
-        (60, ("FULL_SHARD", False)),  # 30.5 MiB + two gathered units 7.6 MiB = 38.1 <= 42
-        (30, ("FULL_SHARD", True)),  # only offloading fits: 7.6 MiB on the device
+        # budget = 70% of the memory; 4M fp32 parameters with AdamW: 61 MiB of model state whole, and one unit's
+        # reduce-scatter input (3.8 MiB) besides the gathered units
+        (1024, ("NO_SHARD", False)),  # 61 + all units gathered 15.3 + 3.8 = 80.2 MiB fits: least communication wins
+        (72, ("SHARD_GRAD_OP", False)),  # 30.5 MiB sharded + 15.3 + 3.8 = 49.6 <= 50.4
+        (68, ("FULL_SHARD", False)),  # 30.5 MiB + three gathered units 11.5 + 3.8 = 45.8 <= 47.6
+        (30, ("FULL_SHARD", True)),  # only offloading fits: 15.3 MiB on the device
     ],
 )
 def test_auto_sharding_takes_the_cheapest_option_that_fits(memory_mib: float, expected: tuple[str, bool]) -> None:
@@ -246,6 +250,22 @@ def test_auto_sharding_takes_the_cheapest_option_that_fits(memory_mib: float, ex
     )
     assert (choice.sharding_strategy, choice.cpu_offload) == expected
     assert expected[0] in choice.reason and "budget" in choice.reason
+
+
+def test_auto_sharding_counts_whole_gradients_kept_between_micro_batches() -> None:
+    # gradient_accumulation="unsharded" keeps the whole fp32 gradients (15.3 MiB) on the device of every option:
+    # SHARD_GRAD_OP needs 57.3 MiB, FULL_SHARD 53.5, so 72 MiB (budget 50.4) now takes offload (30.5 on the device).
+    model = nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(4)])
+    settings = {"world_size": 2, "precision": "32-true", "activation_checkpointing": False}
+    unsharded = {"accumulate_grad_batches": 4, "gradient_accumulation": "unsharded"}
+    choice = choose_sharding(model, **settings, **unsharded, device_memory_bytes=72 * 2**20, can_offload=True)
+    assert (choice.sharding_strategy, choice.cpu_offload) == ("FULL_SHARD", True)
+    with pytest.raises(MemoryError, match="gradient_accumulation='sharded'"):
+        choose_sharding(model, **settings, **unsharded, device_memory_bytes=72 * 2**20, can_offload=False)
+    # one micro-batch per step holds no whole gradients, whatever the setting
+    one_micro_batch = {**unsharded, "accumulate_grad_batches": 1}
+    choice = choose_sharding(model, **settings, **one_micro_batch, device_memory_bytes=72 * 2**20, can_offload=True)
+    assert choice.sharding_strategy == "SHARD_GRAD_OP"
 
 
 def test_auto_sharding_says_when_nothing_fits() -> None:

@@ -15,6 +15,8 @@ Example:
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -61,3 +63,28 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
+
+
+def unsharded_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """The whole gradients FSDP2 holds for ``model``'s units outside a backward pass.
+
+    They exist between accumulation micro-batches whose reduce-scatter was skipped
+    (``set_requires_gradient_sync(False)``, i.e. ``gradient_accumulation="unsharded"``): per parameter, the
+    gradient upcast to the reduce dtype (``FSDPParam.unsharded_accumulated_grad``, mixed precision) or else the
+    autograd gradient of the gathered parameter. Read from FSDP2's per-parameter state, as torch's
+    ``FSDPMemTracker`` does; a model without FSDP units has none.
+
+    Example:
+        >>> unsharded_gradients(nn.Linear(2, 2))
+        []
+    """
+    grads = []
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param._unsharded_param.grad
+            if grad is not None:
+                grads.append(grad)
+    return grads

@@ -4,7 +4,8 @@ Options are tried from the cheapest in communication to the most frugal in memor
 per step), SHARD_GRAD_OP (no all-gather in backward), FULL_SHARD, then FULL_SHARD with CPU offload (CUDA only) -
 and the first whose estimated per-rank device memory stays within ``headroom`` of the device's memory wins.
 Activations are not part of this estimate (the micro-batch is unknown when the model is sharded): the headroom
-leaves room for them.
+leaves room for them. The whole gradients kept between micro-batches under ``gradient_accumulation="unsharded"``
+(with ``accumulate_grad_batches > 1``) are counted: they sit on the device of every option, offload included.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import estimate_memory
 
 GIB = 2**30
@@ -37,6 +39,8 @@ def choose_sharding(
     activation_checkpointing: bool,
     device_memory_bytes: int,
     can_offload: bool,
+    accumulate_grad_batches: int = 1,
+    gradient_accumulation: GradientAccumulation = "sharded",
     headroom: float = 0.7,
 ) -> ShardingChoice:
     """Pick the sharding for ``model`` (meta device is fine) on ranks with ``device_memory_bytes`` each.
@@ -48,6 +52,7 @@ def choose_sharding(
         'NO_SHARD'
     """
     budget = int(device_memory_bytes * headroom)
+    accumulating_whole = gradient_accumulation == "unsharded" and accumulate_grad_batches > 1
     needs = []
     for sharding_strategy, offload in _OPTIONS:
         if offload and not can_offload:
@@ -59,6 +64,8 @@ def choose_sharding(
             precision=precision,
             cpu_offload=offload,
             activation_checkpointing=activation_checkpointing,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_accumulation=gradient_accumulation,
         )
         label = sharding_strategy + (" + CPU offload" if offload else "")
         needs.append(f"{label} {_size(estimate.device.total_bytes)}")
@@ -71,7 +78,8 @@ def choose_sharding(
     raise MemoryError(
         f"No sharding fits: estimated per-rank model state {'; '.join(needs)}, but the budget is "
         f"{_size(budget)} ({headroom:.0%} of {_size(device_memory_bytes)}). Use more ranks, a lower "
-        "precision ('bf16-true'), or CPU offload on CUDA."
+        "precision ('bf16-true'), or CPU offload on CUDA"
+        + (", or keep accumulated gradients sharded (gradient_accumulation='sharded')." if accumulating_whole else ".")
     )
 
 

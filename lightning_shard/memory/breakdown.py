@@ -6,17 +6,23 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one rank holds in one place (device or host), by category."""
+    """Bytes one rank holds in one place (device or host), by category, at that place's peak.
+
+    ``grads`` are the sharded gradients; ``accumulated_grads`` the whole gradients FSDP2 keeps between the
+    micro-batches of one optimizer step when their reduce-scatter is skipped (``gradient_accumulation="unsharded"``).
+    ``gathered_peak`` counts the per-unit transients: gathered parameters and the all-gather / reduce-scatter buffers.
+    """
 
     params: int = 0
     grads: int = 0
+    accumulated_grads: int = 0
     optimizer_states: int = 0
     gathered_peak: int = 0
     activations: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.params + self.grads + self.optimizer_states + self.gathered_peak + self.activations
+        return sum(asdict(self).values())
 
     def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
         return MemoryBreakdown(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values(), strict=True)))
@@ -27,12 +33,16 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank memory of one training configuration; ``per_rank`` is device plus host."""
+    """Per-rank memory of one training configuration; ``per_rank`` is device plus host.
+
+    ``simulation`` (simulate mode only): the simulating process's ``wall_seconds`` and ``peak_rss_bytes``.
+    """
 
     n_params: int
     device: MemoryBreakdown
     cpu: MemoryBreakdown
     config: dict[str, Any] = field(default_factory=dict)
+    simulation: dict[str, float] | None = None
 
     @property
     def per_rank(self) -> MemoryBreakdown:
@@ -45,4 +55,5 @@ class MemoryEstimate:
             "device": self.device.to_dict(),
             "cpu": self.cpu.to_dict(),
             "config": self.config,
+            **({"simulation": self.simulation} if self.simulation is not None else {}),
         }

@@ -7,28 +7,40 @@ parameters of the largest wrap unit):
   ``"32-true"``: p = g = 4. ``"bf16-mixed"`` / ``"16-mixed"``: sharded parameters and gradients stay fp32 (p = g = 4,
   FSDP2 ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``). ``"bf16-true"`` / ``"16-true"``: p = g = 2.
   ``k`` = 2 for Adam/AdamW (``exp_avg``, ``exp_avg_sq``), 1 for SGD with momentum, 0 without.
-* gathered units: units are all-gathered in the compute dtype (``c`` = 2 B in 16-bit, 4 B in fp32); FULL_SHARD /
-  HYBRID_SHARD / NO_SHARD hold the current and the prefetched unit, ``2 × U × c``; SHARD_GRAD_OP keeps every unit
-  gathered from its forward to its backward, ``Ψ × c``. Nothing is gathered when ``N = 1`` and ``c = p``.
+* gathered units: FSDP2 computes on a gathered copy of each unit in the compute dtype (``c`` = 2 B in 16-bit, 4 B in
+  fp32), also on a one-rank shard group. FULL_SHARD / HYBRID_SHARD hold about three units at once - the root (kept
+  gathered from its forward to the end of backward), the unit computing and the next one's all-gather buffer -
+  ``3 × U × c``; SHARD_GRAD_OP and NO_SHARD keep every unit gathered from its forward to its backward, ``Ψ × c``.
+  Plus one unit's reduce-scatter input in the reduce dtype, ``U × g``.
 * sharding: FULL_SHARD / SHARD_GRAD_OP shard over all ``world_size`` ranks, HYBRID_SHARD over the ranks of one node
   (``world_size / num_nodes``), NO_SHARD not at all.
 * ``cpu_offload`` moves the sharded parameters, gradients and optimizer states to host memory; the gathered units and
   activations stay on the device.
+* gradient accumulation over ``k = accumulate_grad_batches`` micro-batches: by default (``gradient_accumulation=
+  "sharded"``) every micro-batch is reduce-scattered into the sharded gradients, which costs nothing more. With
+  ``"unsharded"`` and ``k > 1`` the non-final micro-batches skip the reduce-scatter and FSDP2 keeps every
+  parameter's whole gradient, in the reduce dtype (``g`` B: fp32 under the mixed precisions), on every rank until
+  the last micro-batch's reduce-scatter: ``accumulated_grads = g × Ψ``, on the device also under ``cpu_offload``
+  (they are the gradients of the gathered parameters, which live there). Meanwhile the sharded gradients do not
+  exist on the device (Lightning frees them after the previous step; the last reduce-scatter creates them as it
+  frees the whole ones), so the device's ``grads`` is 0 at its peak; with ``cpu_offload`` they stay on the host.
 * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
   ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in 16-bit (doubled in fp32) for sequence ``s``, micro-batch ``b``, width
   ``h``, heads ``a`` — an upper bound, since fused attention (SDPA/flash) does not keep the ``5·a·s/h`` score term.
   With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer recomputed in
   full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``, ``n_head`` and
-  ``seq_len`` are given. Transient all-gather / reduce-scatter buffers and the allocator's fragmentation are not
-  counted.
+  ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+* not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
+  peak of small models with few activations) and the allocator's fragmentation.
 
 Worked example: GPT-3 13B (Ψ ≈ 13.1e9) on 8 ranks, FULL_SHARD, bf16-mixed, AdamW: model states
-``(4 + 4 + 8) × 13.1e9 / 8 ≈ 26.2e9`` B ≈ 24.4 GiB per rank, plus ``2 × 2 B × U`` (U ≈ 317e6 for a 5140-wide block)
-≈ 1.2 GiB of gathered units. Published figures this sits between: the ZeRO paper's ``16Ψ/N`` for mixed-precision Adam
-(Rajbhandari et al. 2019, ≈ 24.2 GiB for Ψ = 13e9, N = 8); DeepSpeed's ZeRO-3 estimator
-(``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, no offload: ``18Ψ/N + 4U`` B ≈ 28.4 GiB
-with U = 325e6); and fairseq's FSDP notes, which train the 13B GPT-3 configuration on 32 GB V100s only with
-``--cpu-offload --checkpoint-activations`` — model states plus activations of a few GiB exceed 32 GB without them.
+``(4 + 4 + 8) × 13.1e9 / 8 ≈ 26.2e9`` B ≈ 24.4 GiB per rank, plus ``(3 × 2 + 4) B × U`` (U ≈ 317e6 for a
+5140-wide block) ≈ 3.0 GiB of gathered units and communication buffers. Published figures this sits between: the
+ZeRO paper's ``16Ψ/N`` for mixed-precision Adam (Rajbhandari et al. 2019, ≈ 24.2 GiB for Ψ = 13e9, N = 8);
+DeepSpeed's ZeRO-3 estimator (``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``, no offload:
+``18Ψ/N + 4U`` B ≈ 28.4 GiB with U = 325e6); and fairseq's FSDP notes, which train the 13B GPT-3 configuration on
+32 GB V100s only with ``--cpu-offload --checkpoint-activations`` — model states plus activations of a few GiB exceed
+32 GB without them.
 
 Example:
     >>> estimate = estimate_memory(13_100_000_000, world_size=8, precision="bf16-mixed", largest_unit_params=0)
@@ -38,10 +50,12 @@ Example:
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any, Literal, get_args
 
 from torch import nn
 
+from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
 from lightning_shard.memory.units import count_parameters, mesh_shape
@@ -128,6 +142,8 @@ def estimate_memory(
     cpu_offload: bool = False,
     activation_checkpointing: bool = False,
     optimizer: str = "adamw",
+    accumulate_grad_batches: int = 1,
+    gradient_accumulation: GradientAccumulation = "sharded",
     micro_batch_size: int = 1,
     seq_len: int | None = None,
     n_layer: int | None = None,
@@ -140,20 +156,33 @@ def estimate_memory(
     """Estimate the memory of one rank; see the module docstring for the formula and the published figures.
 
     ``model`` is a module (meta device is fine), a parameter count, or — for ``mode="simulate"`` — a picklable
-    function building the module, run for real under fake tensors (see :mod:`lightning_shard.memory.simulate`, which
-    also needs ``input_fn``). The largest wrap unit comes from the module's ``ModuleList``/``Sequential`` children, or
-    from ``n_layer``/``n_embd``/``vocab_size``/``seq_len`` (GPT formula), or from ``largest_unit_params``; failing all
-    three the whole model counts as one unit (an upper bound).
+    function building the module, which is built on the meta device and trained under fake tensors (see
+    :mod:`lightning_shard.memory.simulate`, which also needs ``input_fn``). The largest wrap unit comes from the
+    module's ``ModuleList``/``Sequential`` children, or from ``n_layer``/``n_embd``/``vocab_size``/``seq_len`` (GPT
+    formula), or from ``largest_unit_params``; failing all three the whole model counts as one unit (an upper bound).
+    ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings.
 
     Example:
         >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0)
         >>> est.per_rank.params, est.per_rank.grads, est.per_rank.optimizer_states
         (2000000, 2000000, 4000000)
+        >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0, accumulate_grad_batches=4,
+        ...                       gradient_accumulation="unsharded")
+        >>> est.per_rank.grads, est.per_rank.accumulated_grads
+        (0, 4000000)
     """
     if sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding_strategy must be one of {SHARDING_STRATEGIES}, got {sharding_strategy!r}")
     if optimizer not in OPTIMIZER_STATES_PER_PARAM:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES_PER_PARAM)}, got {optimizer!r}")
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+        raise TypeError(f"accumulate_grad_batches must be an int, got {accumulate_grad_batches!r}")
+    if accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be at least 1, got {accumulate_grad_batches}")
+    if gradient_accumulation not in get_args(GradientAccumulation):
+        raise ValueError(
+            f"gradient_accumulation must be one of {get_args(GradientAccumulation)}, got {gradient_accumulation!r}"
+        )
     precision = _normalise_precision(precision)
     config = {
         "mode": mode,
@@ -164,6 +193,8 @@ def estimate_memory(
         "cpu_offload": cpu_offload,
         "activation_checkpointing": activation_checkpointing,
         "optimizer": optimizer,
+        "accumulate_grad_batches": accumulate_grad_batches,
+        "gradient_accumulation": gradient_accumulation,
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
     }
@@ -193,13 +224,9 @@ def estimate_memory(
         grads=math.ceil(n_params * grad_b / shards),
         optimizer_states=math.ceil(n_params * states * state_b / shards),
     )
-    gathers = shards > 1 or compute_b != param_b
-    if not gathers:
-        gathered = 0
-    elif sharding_strategy == "SHARD_GRAD_OP":
-        gathered = n_params * compute_b
-    else:
-        gathered = 2 * largest * compute_b
+    # Units kept gathered (module docstring), plus one unit's reduce-scatter input in the reduce dtype.
+    kept = n_params if sharding_strategy in ("SHARD_GRAD_OP", "NO_SHARD") else 3 * largest
+    gathered = kept * compute_b + largest * grad_b
     activations = 0
     if None not in (n_layer, n_embd, n_head, seq_len):
         activations = activation_bytes(
@@ -212,11 +239,13 @@ def estimate_memory(
             compute_bytes=compute_b,
             activation_checkpointing=activation_checkpointing,
         )
-    on_device = MemoryBreakdown(gathered_peak=gathered, activations=activations)
+    accumulated = n_params * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
+    on_device = MemoryBreakdown(accumulated_grads=accumulated, gathered_peak=gathered, activations=activations)
     if cpu_offload:
         device, cpu = on_device, sharded
     else:
-        device, cpu = sharded + on_device, MemoryBreakdown()
+        # The whole gradients stand in for the sharded ones while they are held (module docstring).
+        device, cpu = replace(sharded, grads=0 if accumulated else sharded.grads) + on_device, MemoryBreakdown()
     return MemoryEstimate(n_params=n_params, device=device, cpu=cpu, config=config)
 
 

@@ -1,7 +1,14 @@
 """``lightning-shard estimate``: per-rank memory of a LightningCLI config, before launching it.
 
+The config's ``trainer.accumulate_grad_batches`` and the strategy's ``gradient_accumulation`` count too. With
+``--mode simulate`` the model is also trained for two steps under fake tensors (:mod:`lightning_shard.memory.simulate`;
+token-id inputs of ``micro-batch x seq-len``, so the model section needs ``vocab_size``), and the simulated figures
+are printed next to the formula's.
+
 Example:
     $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --json
+    $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --mode simulate \
+        --model-class examples.gpt.model.GPT
 """
 
 import argparse
@@ -9,11 +16,13 @@ import importlib
 import json
 import os
 import sys
-from typing import Any
+from functools import partial
+from typing import Any, get_args
 
 import torch
 import yaml
 
+from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -23,6 +32,8 @@ from lightning_shard.memory.estimate import (
 )
 
 _GPT_DIMS = ("n_layer", "n_embd", "vocab_size", "block_size")
+# What `estimate_from_config` returns besides the `estimate_memory` keyword arguments.
+_NOT_OPTIONS = ("model", "model_class", "init_args")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-size", type=int, help="sequences per rank (default: data batch_size or 1)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: model block_size)")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_nomomentum"))
+    parser.add_argument(
+        "--gradient-accumulation",
+        choices=get_args(GradientAccumulation),
+        help="where gradients accumulate over micro-batches (default: the strategy's setting, else 'sharded')",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("formula", "simulate"),
+        default="formula",
+        help="simulate: also train two steps under fake tensors (no real storage; 13B: 1.5 minutes)",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of tables")
     return parser
 
@@ -54,6 +76,7 @@ def _strategy_options(trainer: dict[str, Any]) -> dict[str, Any]:
     strategy = trainer.get("strategy")
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     return {
+        "gradient_accumulation": init_args.get("gradient_accumulation", "sharded"),
         "sharding_strategy": init_args.get("sharding_strategy", "FULL_SHARD"),
         "cpu_offload": bool(init_args.get("cpu_offload", False)),
         # The strategy takes a wrap policy here (e.g. ["Block"]); any policy means checkpointed blocks.
@@ -73,16 +96,22 @@ def _import_class(class_path: str) -> type | None:
         return None
 
 
-def _build_on_meta(model_class: type, init_args: dict[str, Any]) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = model_class(**init_args)
-        if hasattr(model, "configure_model"):
-            model.configure_model()
+def _build(model_class: type, init_args: dict[str, Any]) -> torch.nn.Module:
+    """The model with its layers, as a Trainer would build it (``configure_model``), on the current device."""
+    model = model_class(**init_args)
+    if hasattr(model, "configure_model"):
+        model.configure_model()
     return model
 
 
+def _build_on_meta(model_class: type, init_args: dict[str, Any]) -> torch.nn.Module:
+    with torch.device("meta"):
+        return _build(model_class, init_args)
+
+
 def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict[str, Any]]:
-    """The estimate for the parsed command line, and the ``estimate_memory`` options behind it (for the table)."""
+    """The formula estimate for the parsed command line, and the ``estimate_memory`` options behind it (for the table
+    and the simulation: ``model``, ``model_class``, ``init_args``, then the keyword arguments)."""
     with open(args.config) as file:
         config = yaml.safe_load(file) or {}
     trainer = config.get("trainer") or {}
@@ -98,6 +127,7 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
         "num_nodes": nodes,
         "precision": trainer.get("precision", "32-true"),
         "optimizer": args.optimizer,
+        "accumulate_grad_batches": trainer.get("accumulate_grad_batches") or 1,
         "micro_batch_size": args.micro_batch_size or (data.get("init_args") or data).get("batch_size") or 1,
         "seq_len": args.seq_len or dims.get("block_size"),
         **{key: dims.get(key) for key in ("n_layer", "n_embd", "n_head", "vocab_size")},
@@ -110,7 +140,31 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
         if missing:
             raise ValueError(f"no importable model class and the model section lacks {missing} for the GPT formula")
         model = gpt_parameter_count(*(dims[key] for key in _GPT_DIMS))[0]
-    return estimate_memory(model, **options, **_strategy_options(trainer)), {"model": model, **options}
+    strategy = _strategy_options(trainer)
+    if args.gradient_accumulation:
+        strategy["gradient_accumulation"] = args.gradient_accumulation
+    # The table varies sharding, offload and checkpointing; where gradients accumulate holds for every row.
+    options["gradient_accumulation"] = strategy.pop("gradient_accumulation")
+    estimate = estimate_memory(model, **options, **strategy)
+    return estimate, {"model": model, "model_class": model_class, "init_args": dims, **options}
+
+
+def simulate_from_config(estimate: MemoryEstimate, options: dict[str, Any]) -> MemoryEstimate:
+    """Simulate the configuration ``estimate`` was computed for (see :mod:`lightning_shard.memory.simulate`)."""
+    config, init_args = estimate.config, options["init_args"]
+    if options["model_class"] is None:
+        raise ValueError("simulate mode builds the model: the config needs an importable model.class_path")
+    if init_args.get("vocab_size") is None or config["seq_len"] is None:
+        raise ValueError(
+            "simulate mode feeds token ids of micro-batch x seq-len: the model section needs vocab_size, and "
+            "block_size (or pass --seq-len)"
+        )
+    return estimate_memory(
+        partial(_build, options["model_class"], init_args),
+        mode="simulate",
+        input_fn=partial(torch.randint, 0, init_args["vocab_size"], (config["micro_batch_size"], config["seq_len"])),
+        **{key: value for key, value in config.items() if key != "mode"},
+    )
 
 
 def estimate_main(argv: list[str] | None = None) -> int:
@@ -118,25 +172,40 @@ def estimate_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         estimate, options = estimate_from_config(args)
+        simulated = simulate_from_config(estimate, options) if args.mode == "simulate" else None
     except (OSError, ValueError) as error:
         print(f"lightning-shard estimate: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"n_params": estimate.n_params, "per_rank": estimate.per_rank.to_dict()}, indent=2))
+        payload = {key: estimate.to_dict()[key] for key in ("n_params", "per_rank", "device", "cpu")}
+        if simulated is not None:
+            payload = {"n_params": estimate.n_params, "formula": payload, "simulated": simulated.to_dict()}
+        print(json.dumps(payload, indent=2))
         return 0
     config = estimate.config
     print(
         f"{estimate.n_params:,} parameters on {config['world_size']} ranks ({config['num_nodes']} node(s)), "
         f"{config['precision']}, {config['optimizer']}, micro-batch {config['micro_batch_size']} x "
-        f"{config['seq_len']} tokens\n"
+        f"{config['seq_len']} tokens, {config['accumulate_grad_batches']} accumulated "
+        f"({config['gradient_accumulation']})\n"
     )
     print(
         f"Configured ({config['sharding_strategy']}, cpu_offload={config['cpu_offload']}, "
         f"activation_checkpointing={config['activation_checkpointing']}), per rank:"
     )
     for place, breakdown in (("device", estimate.device), ("cpu", estimate.cpu)):
-        parts = ", ".join(f"{name} {value / GIB:.2f}" for name, value in breakdown.to_dict().items())
-        print(f"  {place:>6} GiB: {parts}")
+        print(f"  {place:>9} GiB: {_gib(breakdown.to_dict())}")
+    if simulated is not None:
+        assert simulated.simulation is not None
+        print(f"  simulated GiB: {_gib(simulated.device.to_dict())}")
+        print(
+            f"  (simulation: {simulated.simulation['wall_seconds']:.0f} s, peak RSS "
+            f"{simulated.simulation['peak_rss_bytes'] / GIB:.2f} GiB; device only, FSDPMemTracker's peak)"
+        )
     print("\nAll options:")
-    print(format_estimate_table(options.pop("model"), **options))
+    print(format_estimate_table(options["model"], **{k: v for k, v in options.items() if k not in _NOT_OPTIONS}))
     return 0
+
+
+def _gib(values: dict[str, int]) -> str:
+    return ", ".join(f"{name} {value / GIB:.2f}" for name, value in values.items())
