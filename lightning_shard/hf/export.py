@@ -54,7 +54,7 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-_WEIGHTS_PATTERN = "model{suffix}.safetensors"  # HF's SAFE_WEIGHTS_NAME with its shard suffix
+_WEIGHTS = "model{suffix}.safetensors"  # HF's SAFE_WEIGHTS_NAME with its shard suffix
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -114,13 +114,16 @@ def export_hf(
 
     # The plan needs only sizes: meta tensors of the saved shapes and dtypes, in the HF model's order.
     planned = {name: torch.empty(source.shapes[k], dtype=source.dtypes[k], device="meta") for name, k in keys.items()}
-    plan = split_torch_state_dict_into_shards(planned, filename_pattern=_WEIGHTS_PATTERN, max_shard_size=max_shard_size)
+    try:
+        plan = split_torch_state_dict_into_shards(planned, filename_pattern=_WEIGHTS, max_shard_size=max_shard_size)
+    except ValueError as error:
+        raise ValueError(f"`max_shard_size={max_shard_size!r}`: {error}") from error
     staging = _staging_path(out_dir)
     staging.mkdir(parents=True)
     try:
         for file, names in plan.filename_to_tensors.items():
             with source.read({keys[name]: name for name in names}) as tensors:
-                # `{"format": "pt"}` as save_pretrained writes it; from_pretrained checks it.
+                # `{"format": "pt"}` as save_pretrained writes it (transformers 4 refuses files without it).
                 save_file({name: t.contiguous() for name, t in tensors.items()}, staging / file, {"format": "pt"})
         if plan.is_sharded:
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
