@@ -125,6 +125,7 @@ def export_hf(
             with source.read({keys[name]: name for name in names}) as tensors:
                 # `{"format": "pt"}` as save_pretrained writes it (transformers 4 refuses files without it).
                 save_file({name: t.contiguous() for name, t in tensors.items()}, staging / file, {"format": "pt"})
+            del tensors  # before the next shard is read, not after
         if plan.is_sharded:
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
