@@ -40,6 +40,7 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
 )
 from lightning_shard.checkpoint.io import MODEL_KEY, _replace, _staging_path, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.cpu.heap import release_freed_heap
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Copied next to the weights when the config directory has them, so the export is a complete HF model directory.
@@ -126,6 +127,9 @@ def export_hf(
                 # `{"format": "pt"}` as save_pretrained writes it (transformers 4 refuses files without it).
                 save_file({name: t.contiguous() for name, t in tensors.items()}, staging / file, {"format": "pt"})
             del tensors  # before the next shard is read, not after
+            # What the shard's reads freed goes back to the OS: otherwise glibc keeps the fragments and each shard
+            # starts higher (measured: +72..122 MiB left after 5 shards of 100MB from a sharded checkpoint).
+            release_freed_heap()
         if plan.is_sharded:
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
