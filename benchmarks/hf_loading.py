@@ -371,7 +371,8 @@ def main() -> None:
         "drop). Anonymous: the same for RssAnon, sampled every millisecond by a thread (can miss shorter peaks).",
         "Goal: (this rank's shard, or the export's largest output file, + the largest tensor) x 1.2.",
         "rank 0 loads all: Accelerate's cpu_ram_efficient_loading done with torch's set_model_state_dict("
-        "broadcast_from_rank0=True) after fully_shard on meta.",
+        "broadcast_from_rank0=True) after fully_shard on meta. transformers' from_pretrained hands back tensors "
+        "backed by the mmapped safetensors file, so rank 0's whole model shows as file pages, not anonymous memory.",
     ]
     if not sharded_loader:
         notes.append("Sharded loading not measured: lightning_shard.hf.from_pretrained is not in this commit.")
