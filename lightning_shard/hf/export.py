@@ -233,7 +233,7 @@ def _check_prefix(prefix: str, source: _Checkpoint, aliases: Mapping[str, list[s
 
 
 def _present_key(prefix: str, names: list[str], saved: Mapping[str, Any]) -> str:
-    """The checkpoint key of ``name``: itself, or the first tied alias saved (a checkpoint may keep only one)."""
+    """The checkpoint key of a weight named ``names[0]``: itself, or the first of its tied aliases that was saved."""
     return next(prefix + alias for alias in names if prefix + alias in saved)
 
 
