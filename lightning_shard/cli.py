@@ -1,8 +1,9 @@
-"""The ``lightning-shard`` command: ``convert``, ``inspect`` and ``estimate``.
+"""The ``lightning-shard`` command: ``convert``, ``inspect``, ``export-hf`` and ``estimate``.
 
 lightning-shard convert out/last.ckpt out/last-full.ckpt      # sharded directory -> one file
 lightning-shard convert out/last-full.ckpt out/sharded.ckpt    # one file -> sharded directory
 lightning-shard inspect out/last.ckpt
+lightning-shard export-hf out/last.ckpt out/hf --config out/pretrained   # -> AutoModelForCausalLM.from_pretrained
 lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --json
 """
 
@@ -27,6 +28,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect_parser = commands.add_parser("inspect", help="describe a checkpoint")
     inspect_parser.add_argument("path", type=Path)
     inspect_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    export_parser = commands.add_parser("export-hf", help="a checkpoint's HF model -> a from_pretrained directory")
+    export_parser.add_argument("checkpoint", type=Path, help="sharded directory or full file")
+    export_parser.add_argument("out_dir", type=Path, help="new directory (must not exist or be empty)")
+    export_parser.add_argument("--config", type=Path, required=True, help="directory with the model's config.json")
+    export_parser.add_argument("--prefix", help="the HF model's key prefix in the checkpoint (default: found)")
+    export_parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     commands.add_parser("estimate", help="per-rank memory estimate", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "estimate":
@@ -38,13 +45,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "convert":
             print(f"{convert(args.src, args.dst)}: {args.src} -> {args.dst}")
+        elif args.command == "export-hf":
+            _export_hf(args)
         else:
             info = inspect(args.path)
             print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in info.items()))
-    except (FileNotFoundError, FileExistsError, ValueError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as error:
         print(f"lightning-shard {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from lightning_shard.hf import export_hf
+
+    done = export_hf(args.checkpoint, args.out_dir, args.config, prefix=args.prefix, max_shard_size=args.max_shard_size)
+    print(
+        f"exported {done.num_tensors} tensors ({done.total_bytes / 2**20:.1f} MiB) under prefix {done.prefix!r} "
+        f"of {args.checkpoint} to {done.out_dir} in {len(done.files)} safetensors file(s)"
+    )
 
 
 if __name__ == "__main__":

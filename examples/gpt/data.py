@@ -314,8 +314,11 @@ class TokenDataModule(LightningDataModule):
             raise FileNotFoundError(f"data_path {self.hparams.data_path!r} does not exist.")
         else:
             text = read_text_bytes(self.hparams.data_path, self.hparams.max_bytes)
-        tokens = np.frombuffer(text, dtype=np.uint8)
-        self.train_tokens, self.val_tokens = split_train_val(tokens, self.hparams.val_fraction)
+        self.train_tokens, self.val_tokens = split_train_val(self.tokenize(text), self.hparams.val_fraction)
+
+    def tokenize(self, text: bytes) -> np.ndarray:
+        """Text sources -> token ids: their UTF-8 bytes (vocabulary 256); a subclass may plug in another tokenizer."""
+        return np.frombuffer(text, dtype=np.uint8)
 
     def train_dataloader(self) -> ResumableDataLoader:
         hp = self.hparams

@@ -1,7 +1,11 @@
 """Hugging Face models under the sharded strategy: transformers' own initialisation for models built on the meta
-device (:mod:`lightning_shard.hf.init`) and pretrained weights loaded shard by shard
-(:func:`from_pretrained`). transformers stays optional: importing this package does not import it."""
+device (:mod:`lightning_shard.hf.init`), pretrained weights loaded shard by shard (:func:`from_pretrained`), and the
+way back, a checkpoint's model exported as a ``from_pretrained`` directory (:func:`export_hf`).
 
+transformers, huggingface_hub and safetensors (``pip install 'lightning-shard[hf]'``) are imported only when used.
+"""
+
+from lightning_shard.hf.export import HFExport, export_hf
 from lightning_shard.hf.pretrained import from_pretrained
 
-__all__ = ["from_pretrained"]
+__all__ = ["HFExport", "export_hf", "from_pretrained"]

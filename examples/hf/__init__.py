@@ -1,0 +1,1 @@
+"""Fine-tuning a Hugging Face causal LM with the sharded strategy (LightningCLI)."""

@@ -1,0 +1,154 @@
+"""A LightningModule around a Hugging Face causal LM, loaded shard by shard with ``lightning_shard.hf.from_pretrained``.
+
+The HF model is created in ``configure_model()``: under the sharded strategy Lightning calls it on the meta device,
+the strategy shards the model, and each rank then reads only its slices of the pretrained safetensors, so no
+process ever holds the whole model. With no model at ``pretrained_path`` and a ``random_init`` config, the
+module first writes a randomly initialised model there (``prepare_data``: once per node, before any rank loads it),
+so the example runs without downloading anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+import lightning_shard.hf
+from examples.gpt.model import warmup_cosine
+
+
+def write_random_model(path: str | Path, config: dict[str, Any], seed: int = 0) -> int:
+    """Write a randomly initialised HF causal LM built from ``config`` (``model_type`` plus its config fields) to
+    ``path`` with ``save_pretrained``; return its parameter count.
+
+    Example:
+        >>> write_random_model("out/tiny", {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        ...     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})  # doctest: +SKIP
+        214080
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    model_type = config.pop("model_type")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    model.save_pretrained(path)
+    return model.num_parameters()
+
+
+class HFCausalLM(L.LightningModule):
+    """Next-token fine-tuning of a Hugging Face causal LM (``AutoModelForCausalLM``).
+
+    Batches are ``(x, y)`` token windows with ``y`` the window shifted by one (``examples.gpt.data``), so the loss
+    is computed here rather than by the HF model's own ``labels`` shift.
+
+    Example:
+        >>> module = HFCausalLM("out/hf_llama_tiny/pretrained")
+        >>> trainer = L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        pretrained_path: str,
+        random_init: dict[str, Any] | None = None,
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        """
+        Args:
+            pretrained_path: a local HF model directory (``config.json`` + safetensors), e.g. a snapshot you
+                downloaded once, or where ``random_init`` writes one.
+            random_init: HF config fields (with ``model_type``) of a random model to write to ``pretrained_path``
+                when it holds no ``config.json``; ``None``: a missing model is an error.
+            learning_rate: peak AdamW learning rate.
+            weight_decay: AdamW weight decay for matrices (not biases or norms).
+            warmup_steps: linear warm-up steps.
+            max_steps: end of the cosine decay; ``None`` uses the Trainer's estimated total steps.
+            min_lr_ratio: final learning rate as a fraction of the peak.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: torch.nn.Module | None = None
+        self.val_loss = torchmetrics.aggregation.MeanMetric()
+
+    def prepare_data(self) -> None:
+        # Lightning runs this on one process per node, before configure_model() on any rank: the place to write
+        # files that every rank then reads.
+        path = Path(self.hparams.pretrained_path)
+        if (path / "config.json").is_file():
+            return
+        if self.hparams.random_init is None:
+            raise FileNotFoundError(
+                f"No HF model at pretrained_path={str(path)!r} (no config.json). Point it at a local model directory, "
+                "or set `random_init` to write a random model there."
+            )
+        n_params = write_random_model(path, self.hparams.random_init)
+        print(
+            f"No model at {path}: wrote a random {self.hparams.random_init['model_type']} model with {n_params:,} "
+            "parameters there (model.random_init). Later runs load it.",
+            flush=True,
+        )
+
+    def configure_model(self) -> None:
+        # Lightning may call this more than once (e.g. fit, then validate): build only once.
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        self.model = lightning_shard.hf.from_pretrained(AutoModelForCausalLM, self.hparams.pretrained_path)
+        self.model.train()  # from_pretrained hands models over in eval mode (dropout off); this one is trained
+
+    def on_fit_start(self) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        model_vocab = self.model.config.vocab_size
+        if data_vocab is not None and data_vocab > model_vocab:
+            raise ValueError(
+                f"The data has {data_vocab} token ids but the model's vocabulary is {model_vocab}: tokenise with the "
+                "model's own tokenizer (`data.tokenizer_path`, usually the same directory as model.pretrained_path)."
+            )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)``."""
+        return self.model(input_ids=input_ids).logits
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch))
+
+    def on_validation_epoch_end(self) -> None:
+        mean_loss = self.val_loss.compute()  # already averaged over the ranks
+        self.val_loss.reset()
+        self.log("val_loss", mean_loss, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+        )
+        max_steps = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
+
+        # A plain function, not a partial: see examples/gpt/model.py (the scheduler's state must survive DCP).
+        def schedule(step: int) -> float:
+            return warmup_cosine(step, hp.warmup_steps, max_steps, hp.min_lr_ratio)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
