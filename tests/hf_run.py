@@ -30,6 +30,7 @@ from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, Sta
 
 import lightning_shard  # noqa: E402
 import lightning_shard.hf  # noqa: E402
+from lightning_shard.hf.pretrained import _slice_reader_class  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MAX_STEPS = 128, 16, 8, 4
 PROMPT = [[1, 5, 9, 13, 17]]
@@ -222,14 +223,15 @@ def _unit_classes(root: nn.Module) -> list[str]:
 def _count_elements_read() -> dict[str, int]:
     """Count the tensor elements this rank reads from the safetensors files."""
     read = {"elements": 0}
-    original = HuggingFaceStorageReader._process_read_request
+    reader = _slice_reader_class(HuggingFaceStorageReader)
+    original = reader._process_read_request
 
     @functools.wraps(original)
     def counting(self: Any, f: Any, req: Any, planner: Any) -> None:
         read["elements"] += int(torch.Size(req.lengths).numel())
         original(self, f, req, planner)
 
-    HuggingFaceStorageReader._process_read_request = counting  # type: ignore[method-assign]
+    reader._process_read_request = counting  # type: ignore[method-assign]
     return read
 
 

@@ -317,3 +317,20 @@ def test_parameter_that_transformers_init_does_not_cover_is_an_error(mesh) -> No
             device=torch.device("cpu"),
         )
     assert isinstance(model, FSDPModule)
+
+
+def test_the_slice_reader_reads_rows_by_file_reads_and_converts_dtypes(tmp_path: Path) -> None:
+    # A rank's slice is a run of rows, read with plain file reads (no mapping left in RSS); a bf16 file loads into
+    # fp32 targets through a buffer, and the tensor after the first one starts at its own offset.
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from lightning_shard.hf.pretrained import _slice_reader_class
+
+    saved = {"a": torch.randn(6, 4).to(torch.bfloat16), "b": torch.randn(3, 2), "c": torch.arange(5.0)}
+    save_file(saved, tmp_path / "model.safetensors")
+    targets = {"a": torch.empty(6, 4), "b": torch.empty(3, 2), "c": torch.empty(5)}
+    dcp.load(targets, storage_reader=_slice_reader_class(HuggingFaceStorageReader)(str(tmp_path)))
+    for name, tensor in saved.items():
+        assert torch.equal(targets[name], tensor.float()), name
