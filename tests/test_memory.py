@@ -238,11 +238,11 @@ def test_estimate_cli_reads_accumulation_from_the_config(tmp_path: Path, capsys:
 
 def test_shipped_13b_configs_fit_their_devices(capsys: pytest.CaptureFixture[str]) -> None:
     # 8 GPUs: accumulating 64 micro-batches sharded leaves the per-rank total of model states, gathered units and
-    # activations (31.4 GiB) well within an 80 GiB GPU; whole gradients would add 48 GiB less the 6 sharded.
+    # activations (29.9 GiB) well within an 80 GiB GPU; whole gradients would add 48 GiB less the 6 sharded.
     assert estimate_main(["--config", "configs/gpt3_13b.yaml", "--devices", "8", "--json"]) == 0
     eight = json.loads(capsys.readouterr().out)
     assert eight["device"]["accumulated_grads"] == 0
-    assert 30 * GIB < eight["device"]["total_bytes"] < 33 * GIB
+    assert 29 * GIB < eight["device"]["total_bytes"] < 31 * GIB
     # one GPU with offload: the host holds the 16 bytes per parameter, the device a few GiB
     assert estimate_main(["--config", "configs/gpt3_13b_1gpu_offload.yaml", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)

@@ -26,10 +26,12 @@ parameters of the largest wrap unit):
   frees the whole ones), so the device's ``grads`` is 0 at its peak; with ``cpu_offload`` they stay on the host.
 * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
   ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in 16-bit (doubled in fp32) for sequence ``s``, micro-batch ``b``, width
-  ``h``, heads ``a`` — an upper bound, since fused attention (SDPA/flash) does not keep the ``5·a·s/h`` score term.
-  With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer recomputed in
-  full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``, ``n_head`` and
-  ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+  ``h``, heads ``a``. The ``5·a·s/h`` term is the attention scores, softmax and its dropout mask; fused attention
+  (``scaled_dot_product_attention``'s flash and memory-efficient kernels, what the example GPT, transformers'
+  ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with ``fused_attention=False`` (eager
+  attention). With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer
+  recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``,
+  ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
 * not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
   peak of small models with few activations) and the allocator's fragmentation.
 
@@ -101,17 +103,21 @@ def activation_bytes(
     vocab_size: int | None,
     compute_bytes: int,
     activation_checkpointing: bool,
+    fused_attention: bool = True,
 ) -> int:
     """Activation bytes of one micro-batch (Korthikanti et al. 2022), see the module docstring.
 
     Example:
-        >>> activation_bytes(n_layer=1, n_embd=64, n_head=4, seq_len=32, micro_batch_size=1, vocab_size=None,
-        ...                  compute_bytes=2, activation_checkpointing=False)
+        >>> dims = dict(n_layer=1, n_embd=64, n_head=4, seq_len=32, micro_batch_size=1, vocab_size=None)
+        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False)  # 34 s·b·h
+        69632
+        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, fused_attention=False)
         90112
     """
     sbh = seq_len * micro_batch_size * n_embd
     scale = compute_bytes / 2  # the formula counts 16-bit activations
-    layer = sbh * (34 + 5 * n_head * seq_len / n_embd) * scale
+    scores = 0 if fused_attention else 5 * n_head * seq_len / n_embd
+    layer = sbh * (34 + scores) * scale
     layers = n_layer * 2 * sbh * scale + layer if activation_checkpointing else n_layer * layer
     logits = 4 * seq_len * micro_batch_size * vocab_size if vocab_size else 0
     return int(layers + logits)
@@ -150,6 +156,7 @@ def estimate_memory(
     n_embd: int | None = None,
     n_head: int | None = None,
     vocab_size: int | None = None,
+    fused_attention: bool = True,
     largest_unit_params: int | None = None,
     input_fn: Callable[[], Any] | None = None,
 ) -> MemoryEstimate:
@@ -160,7 +167,8 @@ def estimate_memory(
     :mod:`lightning_shard.memory.simulate`, which also needs ``input_fn``). The largest wrap unit comes from the
     module's ``ModuleList``/``Sequential`` children, or from ``n_layer``/``n_embd``/``vocab_size``/``seq_len`` (GPT
     formula), or from ``largest_unit_params``; failing all three the whole model counts as one unit (an upper bound).
-    ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings.
+    ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings;
+    ``fused_attention=False`` counts the attention scores that eager (unfused) attention keeps for backward.
 
     Example:
         >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0)
@@ -192,6 +200,7 @@ def estimate_memory(
         "precision": precision,
         "cpu_offload": cpu_offload,
         "activation_checkpointing": activation_checkpointing,
+        "fused_attention": fused_attention,
         "optimizer": optimizer,
         "accumulate_grad_batches": accumulate_grad_batches,
         "gradient_accumulation": gradient_accumulation,
@@ -238,6 +247,7 @@ def estimate_memory(
             vocab_size=vocab_size,
             compute_bytes=compute_b,
             activation_checkpointing=activation_checkpointing,
+            fused_attention=fused_attention,
         )
     accumulated = n_params * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
     on_device = MemoryBreakdown(accumulated_grads=accumulated, gathered_peak=gathered, activations=activations)
