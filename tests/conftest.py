@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +45,15 @@ def run_torchrun_result(nproc: int, script: str, *args: str, timeout: float = 24
     out = run_script(*torchrun_args(nproc), script, *args, timeout=timeout)
     line = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-rank gloo process group and its 1-D CPU mesh, for tests that shard without starting processes."""
+    store = dist.FileStore(tempfile.mktemp(), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -18,31 +18,19 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from hf_run import VOCAB, gpt2_config, llama_config
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_shard
 
-VOCAB, SEQ, BATCH = 256, 16, 4
+SEQ, BATCH = 16, 4
 ATTRIBUTE = {"llama": "model", "gpt2": "lm"}
 
 
 def tiny_config(kind: str):
-    """The HF config of the tiny test models (float32, vocabulary 256)."""
-    from transformers import GPT2Config, LlamaConfig
-
-    if kind == "llama":
-        return LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            dtype="float32",
-        )
-    return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    """The HF config of the tiny test models (``tests/hf_run.py``'s, float32)."""
+    return llama_config() if kind == "llama" else gpt2_config()
 
 
 class HFModule(L.LightningModule):

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import REPO, run_script
+from hf_run import VOCAB
 
 from lightning_shard.cli import main as cli_main
 
@@ -89,7 +90,7 @@ def loaded(runs: Path, exports: dict[str, Path]) -> dict[str, Any]:
 
 
 def _input_ids() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
 def _reference_logits(runs: Path, kind: str) -> torch.Tensor:
@@ -208,7 +209,7 @@ def test_a_config_that_does_not_fit_is_an_error(runs: Path, tmp_path: Path, caps
     (tmp_path / "config" / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
     ckpt = runs / "llama" / "sharded.ckpt"
     assert cli_main(["export-hf", str(ckpt), str(tmp_path / "out"), "--config", str(tmp_path / "config")]) == 2
-    assert "model.layers.0.mlp.down_proj.weight: checkpoint (32, 64) vs model (32, 48)" in capsys.readouterr().err
+    assert "model.layers.0.mlp.down_proj.weight: checkpoint (64, 128) vs model (64, 48)" in capsys.readouterr().err
     (tmp_path / "config" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     assert cli_main(["export-hf", str(ckpt), str(tmp_path / "out"), "--config", str(tmp_path / "config")]) == 2
     assert "'model.' holds 21 of 30" in capsys.readouterr().err

@@ -14,18 +14,15 @@ import functools
 import importlib.util
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import REPO, run_script
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffload,
     FSDPModule,
@@ -283,14 +280,6 @@ def test_auto_policy_reads_no_split_modules() -> None:
 def test_importing_the_package_does_not_import_transformers_models() -> None:
     code = "import sys, lightning_shard, lightning_shard.hf; assert 'transformers.modeling_utils' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    store = dist.FileStore(tempfile.mktemp(), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def test_parameter_that_transformers_init_does_not_cover_is_an_error(mesh) -> None:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import tempfile
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from toy import Block, ToyModel
 
@@ -22,14 +19,6 @@ from lightning_shard.materialize import materialize_sharded_module
 from lightning_shard.memory.auto_sharding import choose_sharding
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.wrap import candidate_block_classes, select_modules
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    store = dist.FileStore(tempfile.mktemp(), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def unit_names(model: nn.Module, mesh, **config) -> list[str]:

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch import LightningModule
 from torch import nn
+
+from examples.causal_lm import CausalLM
 
 # name: (n_layer, n_embd, n_head), as in fairseq's GPT-3 model sizes. With this model (tied output projection,
 # 2048 learned positions, biases) "13b" has 12,853,463,040 parameters. fairseq logs 13,110,865,920 for it: that
@@ -110,20 +111,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``.
-
-    Example:
-        >>> [round(warmup_cosine(s, 10, 110, 0.1), 3) for s in (0, 9, 60, 110, 200)]
-        [0.1, 1.0, 0.55, 0.1, 0.1]
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class GPT(LightningModule):
+class GPT(CausalLM):
     """GPT-3 style language model.
 
     Example:
@@ -198,48 +186,14 @@ class GPT(LightningModule):
         # Output projection tied to the token embedding: one (vocab, n_embd) parameter, no separate lm_head.
         return F.linear(tr.ln_f(x), tr.wte.weight)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch))
-
-    def on_validation_epoch_end(self) -> None:
-        # compute() already averages over all ranks; sync_dist=True only tells Lightning the values are global.
-        mean_loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log("val_loss", mean_loss, prog_bar=True, sync_dist=True)
-        self.log("val_ppl", torch.exp(mean_loss), sync_dist=True)
-
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
         # Decay only the weight matrices; biases, LayerNorm and embedding tables are left alone.
         decay, no_decay = [], []
         for name, param in self.named_parameters():
             if not param.requires_grad:
                 continue
             (decay if param.dim() >= 2 and "wte" not in name and "wpe" not in name else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=tuple(hp.betas),
-        )
-        max_steps = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
-
-        # A plain function (not a functools.partial): LambdaLR then checkpoints `lr_lambdas` as [None] instead of
-        # [{}], and torch.distributed.checkpoint drops empty containers, which would break resuming.
-        def schedule(step: int) -> float:
-            return warmup_cosine(step, hp.warmup_steps, max_steps, hp.min_lr_ratio)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return self.adamw_warmup_cosine(decay, no_decay, betas=tuple(self.hparams.betas))
 
     @torch.no_grad()
     def generate(

@@ -12,13 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
 import torchmetrics
 
 import lightning_shard.hf
-from examples.gpt.model import warmup_cosine
+from examples.causal_lm import CausalLM
 
 
 def write_random_model(path: str | Path, config: dict[str, Any], seed: int = 0) -> int:
@@ -40,7 +38,7 @@ def write_random_model(path: str | Path, config: dict[str, Any], seed: int = 0) 
     return model.num_parameters()
 
 
-class HFCausalLM(L.LightningModule):
+class HFCausalLM(CausalLM):
     """Next-token fine-tuning of a Hugging Face causal LM (``AutoModelForCausalLM``).
 
     Batches are ``(x, y)`` token windows with ``y`` the window shifted by one (``examples.gpt.data``), so the loss
@@ -118,37 +116,7 @@ class HFCausalLM(L.LightningModule):
         """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)``."""
         return self.model(input_ids=input_ids).logits
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch))
-
-    def on_validation_epoch_end(self) -> None:
-        mean_loss = self.val_loss.compute()  # already averaged over the ranks
-        self.val_loss.reset()
-        self.log("val_loss", mean_loss, prog_bar=True, sync_dist=True)
-
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-        )
-        max_steps = hp.max_steps if hp.max_steps is not None else int(self.trainer.estimated_stepping_batches)
-
-        # A plain function, not a partial: see examples/gpt/model.py (the scheduler's state must survive DCP).
-        def schedule(step: int) -> float:
-            return warmup_cosine(step, hp.warmup_steps, max_steps, hp.min_lr_ratio)
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        # Decay only the weight matrices, not biases or norms.
+        params = [p for p in self.parameters() if p.requires_grad]
+        return self.adamw_warmup_cosine([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2])
