@@ -16,11 +16,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import run_script
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
-from toy import ToyModel
+from toy import FULL, ToyModel
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_shard.checkpoint import convert
 from lightning_shard.cli import main as cli_main
 
 TOL = 1e-5
@@ -73,6 +76,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--out",
         str(out / "resume_full_2"),
     )
+    # a full file saved by one rank, loaded unit by unit into two
+    run("train", "--devices", "1", "--format", "full", "--out", str(out / "full_1"))
+    run("resume", "--devices", "2", "--steps", "8", "--ckpt", str(out / "full_1/model.ckpt"),
+        "--out", str(out / "resume_full1_2"))  # fmt: skip
+    # the full file converted to a sharded directory resumes like the file itself
+    assert convert(out / "full/model.ckpt", out / "converted_sharded.ckpt") == "full -> sharded"
+    run("resume", "--devices", "2", "--steps", "8", "--ckpt", str(out / "converted_sharded.ckpt"),
+        "--out", str(out / "resume_converted_2"))  # fmt: skip
     return out
 
 
@@ -102,7 +113,9 @@ def test_sharded_checkpoint_is_a_dcp_directory_that_torch_converts(runs: Path, t
     assert max_diff(converted["state_dict"], saved["weights"]) == 0.0
     assert max_optimizer_diff(converted["optimizer_states"][0], saved["optimizer"]) == 0.0
     assert converted["global_step"] == 4 and "loops" in converted and "callbacks" in converted
-    assert converted["lr_schedulers"] == [] and converted["hyper_parameters"]["lr"] == 0.01
+    assert converted["lr_schedulers"] == [result(runs, "sharded")["scheduler"]]  # lr_lambdas: [{}] kept
+    assert converted["callbacks"]["StepCounter"] == {"batches": 4, "notes": []}
+    assert converted["hyper_parameters"]["lr"] == 0.01
     model = ToyModel.load_from_checkpoint(out)
     assert max_diff(model.state_dict(), saved["weights"]) == 0.0
 
@@ -122,9 +135,22 @@ def test_full_checkpoint_loads_without_lightning_shard(runs: Path) -> None:
     assert max_diff(loaded, result(runs, "full")["end"]["weights"]) == 0.0
 
 
-@pytest.mark.parametrize("name", ["resume_sharded_1", "resume_sharded_3", "resume_sharded_4", "resume_full_2"])
+SAVED_BY = {"resume_full_2": "full", "resume_full1_2": "full_1", "resume_converted_2": "full"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "resume_sharded_1",
+        "resume_sharded_3",
+        "resume_sharded_4",
+        "resume_full_2",
+        "resume_full1_2",
+        "resume_converted_2",
+    ],
+)
 def test_load_at_any_world_size_restores_weights_and_optimizer(runs: Path, name: str) -> None:
-    saved = result(runs, "full" if "full" in name else "sharded")["end"]
+    saved = result(runs, SAVED_BY.get(name, "sharded"))["end"]
     loaded = result(runs, name)["start"]
     assert max_diff(loaded["weights"], saved["weights"]) == 0.0
     assert max_optimizer_diff(loaded["optimizer"], saved["optimizer"]) == 0.0
@@ -136,6 +162,36 @@ def test_resume_matches_lightning_resume(runs: Path, name: str) -> None:
     assert len(ours["losses"]) == len(reference["losses"]) == 4
     assert ours["losses"] == pytest.approx(reference["losses"], abs=TOL)
     assert max_diff(ours["end"]["weights"], reference["end"]["weights"]) < TOL
+
+
+def test_full_to_sharded_conversion_resumes_like_the_full_file(runs: Path) -> None:
+    """Loops, the callback's empty list and the partial LR lambda's `{}` survive: the resume is the same run."""
+    converted, original = result(runs, "resume_converted_2"), result(runs, "resume_full_2")
+    assert converted["losses"] == original["losses"] and len(converted["losses"]) == 4
+    assert max_diff(converted["end"]["weights"], original["end"]["weights"]) == 0.0
+    assert max_optimizer_diff(converted["end"]["optimizer"], original["end"]["optimizer"]) == 0.0
+    assert converted["scheduler"] == original["scheduler"] and converted["lr"] == original["lr"]
+    assert converted["callback"] == original["callback"] == {"batches": 8, "notes": []}
+
+
+def test_sharded_to_full_conversion_keeps_every_state(runs: Path, tmp_path: Path) -> None:
+    sharded = ShardedCheckpointIO().load_checkpoint(runs / "sharded/model.ckpt")
+    full = tmp_path / "full.ckpt"
+    assert convert(runs / "sharded/model.ckpt", full) == "sharded -> full"
+    converted = torch.load(full, weights_only=False)
+    for key in sharded.keys() - {"state_dict", "optimizer_states"}:
+        assert converted[key] == sharded[key], key
+    assert converted["lr_schedulers"][0]["lr_lambdas"] == [{}]
+    assert max_diff(ToyModel.load_from_checkpoint(full).state_dict(), result(runs, "sharded")["end"]["weights"]) == 0
+
+
+def test_full_file_saved_at_two_ranks_loads_into_one(runs: Path, one_rank_group: DeviceMesh) -> None:
+    model, optimizer = sharded_toy(one_rank_group)
+    rest = ShardedCheckpointIO().load_into(runs / "full/model.ckpt", model, [optimizer])
+    saved = result(runs, "full")["end"]
+    assert max_diff(get_model_state_dict(model, options=FULL), saved["weights"]) == 0.0
+    assert max_optimizer_diff(get_optimizer_state_dict(model, optimizer, options=FULL), saved["optimizer"]) == 0.0
+    assert rest["global_step"] == 4 and "state_dict" not in rest and "optimizer_states" not in rest
 
 
 def test_weights_only_checkpoints(runs: Path, tmp_path: Path) -> None:
@@ -169,6 +225,16 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
     dist.destroy_process_group()
+
+
+def sharded_toy(mesh: DeviceMesh, **kwargs: Any) -> tuple[ToyModel, torch.optim.Optimizer]:
+    """A ToyModel sharded as the strategy shards it (each block a unit, then the root), with its AdamW."""
+    torch.manual_seed(1)
+    model = ToyModel(**kwargs)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, model.configure_optimizers()
 
 
 def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Path, monkeypatch) -> None:
