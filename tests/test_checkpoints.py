@@ -5,6 +5,7 @@ The reference for resume is Lightning's own single-device resume of the same run
 
 from __future__ import annotations
 
+import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -15,15 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import run_script
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from toy import FULL, ToyModel
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
-from lightning_shard.checkpoint import convert
+from lightning_shard.checkpoint import convert, unit_load
+from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.cli import main as cli_main
 
 TOL = 1e-5
@@ -290,6 +293,107 @@ def test_top_k_and_last_with_checkpoint_directories(tmp_path: Path, async_save: 
     last = ShardedCheckpointIO().load_checkpoint(tmp_path / "ckpts/last.ckpt")
     assert last["global_step"] == 4
     assert max_diff(last["state_dict"], torch.load(tmp_path / "result.pt", weights_only=False)["end"]["weights"]) == 0
+
+
+# ------------------------------------------------------------------ the readers, in one process
+
+
+def test_in_place_reader_reads_what_file_system_reader_reads(
+    one_rank_group: DeviceMesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = {
+        "plain": torch.randn(64, 32),
+        "bf16": torch.randn(10).to(torch.bfloat16),
+        "transposed": torch.randn(8, 32).t(),  # saved with its strides: not read in place
+        "scalar": torch.tensor(3.5),
+        "shard": distribute_tensor(torch.randn(16, 4), one_rank_group, [Shard(0)]),
+        "count": 7,
+    }
+    dcp.save(saved, checkpoint_id=tmp_path / "ckpt")
+
+    def targets() -> dict[str, Any]:
+        out = {key: torch.zeros_like(value) for key, value in saved.items() if isinstance(value, torch.Tensor)}
+        out["bf16"] = torch.zeros(10)  # another dtype: read, then converted
+        return {**out, "count": 0}
+
+    delegated: list[str] = []
+    read_data = dcp.FileSystemReader.read_data
+
+    def spy(self: dcp.FileSystemReader, plan: Any, planner: Any) -> Any:
+        delegated.extend(item.storage_index.fqn for item in plan.items)
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", spy)
+    theirs, ours = targets(), targets()
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path / "ckpt"))
+    delegated.clear()
+    metadata = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata()
+    dcp.load(ours, storage_reader=InPlaceFileSystemReader(tmp_path / "ckpt", metadata))
+    assert sorted(delegated) == ["count", "transposed"]
+    for key, value in saved.items():
+        expected = value.full_tensor() if isinstance(value, DTensor) else value
+        got = ours[key].full_tensor() if isinstance(ours[key], DTensor) else ours[key]
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(expected).to(torch.as_tensor(got).dtype)), key
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(theirs[key]).full_tensor()
+                           if isinstance(theirs[key], DTensor) else torch.as_tensor(theirs[key])), key  # fmt: skip
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of ``path``'s file mappings resident in this process (``/proc/self/smaps``)."""
+    inode, total, inside = path.stat().st_ino, 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and fields[4].isdigit():
+            inside = int(fields[4]) == inode
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page residency is read from /proc")
+@pytest.mark.parametrize("drop", [True, False], ids=["unit_by_unit", "control_without_dropping"])
+def test_rank_zero_holds_one_unit_of_a_full_file_at_a_time(
+    one_rank_group: DeviceMesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop: bool
+) -> None:
+    """While loading a full file, the file's pages resident in rank 0 never exceed one FSDP unit's (plus the pages
+    the kernel maps around a fault); the control run, which keeps every page, shows the measure sees them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+    for layer in model:
+        fully_shard(layer, mesh=one_rank_group)
+    fully_shard(model, mesh=one_rank_group)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "full.ckpt"
+    weights = get_model_state_dict(model, options=FULL)
+    states = get_optimizer_state_dict(model, optimizer, options=FULL)
+    torch.save({"state_dict": weights, "optimizer_states": [states], "global_step": 1}, path)
+    unit_bytes = 3 * (256 * 256 + 256) * 4  # a Linear's weight and bias with AdamW's two moments, fp32
+    data_bytes = 6 * unit_bytes
+
+    for layer in model:  # forget the values: the load must bring them back
+        for param in layer.parameters():
+            param.data.to_local().zero_()
+    seen: list[int] = []
+    release = unit_load._MappedPages.release
+
+    def record(self: Any) -> None:
+        seen.append(resident_bytes(path))
+        if drop:
+            release(self)
+
+    monkeypatch.setattr(unit_load._MappedPages, "release", record)
+    rest = ShardedCheckpointIO().load_into(path, model, [optimizer])
+    assert rest["global_step"] == 1 and len(seen) == 7  # the scalars described first, then the 6 layers
+    if drop:
+        assert max(seen) <= unit_bytes + 256 * 1024, seen
+    else:
+        assert seen[-1] >= 0.95 * data_bytes, seen
+    assert max_diff(get_model_state_dict(model, options=FULL), weights) == 0.0
+    assert max_optimizer_diff(get_optimizer_state_dict(model, optimizer, options=FULL), states) == 0.0
+    gc.collect()
+    assert resident_bytes(path) == 0 and not unit_load._file_mappings(path)  # nothing keeps the file mapped
 
 
 if __name__ == "__main__":

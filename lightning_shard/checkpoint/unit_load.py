@@ -82,21 +82,22 @@ def load_full_unit_by_unit(
     source = rank() == 0
     model_state = get_model_state_dict(model)
     live_states = [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers]
+    pages = _MappedPages(mapped_file) if source and mapped_file is not None else None
     described = broadcast_object(_describe(weights, optimizer_states if optimizers else []) if source else None)
+    if pages is not None:
+        pages.release()  # those of the scalars (AdamW's `step`s) copied into the description
     if len(described["optimizers"]) < len(optimizers):
         raise ValueError(
             f"The checkpoint holds the states of {len(described['optimizers'])} optimizer(s), the model has "
             f"{len(optimizers)}: load it into the model it was saved from."
         )
-    pages = _MappedPages(mapped_file) if source and mapped_file is not None else None
     device = _broadcast_device()
 
     for unit_keys in unit_key_groups(model, model_state):
-        read: list[torch.Tensor] = []
         for key in unit_keys:
             if key in described["model"]:
                 original = weights[key] if source else None
-                model_state[key] = _receive(original, described["model"][key], model_state[key], device, read)
+                model_state[key] = _receive(original, described["model"][key], model_state[key], device)
         for index, live in enumerate(live_states):
             saved = described["optimizers"][index]["state"]
             for key in (key for key in unit_keys if key in saved):
@@ -108,9 +109,9 @@ def load_full_unit_by_unit(
                             f"The checkpoint holds optimizer state {key!r}[{name!r}] that optimizer {index} does not "
                             "have: load it into the optimizer it was saved from."
                         )
-                    state[name] = _receive(originals.get(name), spec, state.get(name), device, read)
+                    state[name] = _receive(originals.get(name), spec, state.get(name), device)
         if pages is not None:
-            pages.drop(read)
+            pages.release()
 
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=strict))
     for index, (optimizer, live) in enumerate(zip(optimizers, live_states, strict=True)):
@@ -148,11 +149,17 @@ def _visible_name(name: str) -> str:
 def _describe(weights: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What every rank needs before the broadcasts: tensor shapes and dtypes, and small values whole (copied:
     nothing handed to the model or optimizer may keep the mapped file alive)."""
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return _Sent(value.shape, value.dtype)
+        return copy.deepcopy(value)  # a scalar tensor (e.g. AdamW's `step`) or a plain value travels whole
+
     return {
-        "model": {key: _spec(value) for key, value in weights.items()},
+        "model": {key: spec(value) for key, value in weights.items()},
         "optimizers": [
             {
-                "state": {key: {name: _spec(v) for name, v in state.items()} for key, state in osd["state"].items()},
+                "state": {key: {name: spec(v) for name, v in state.items()} for key, state in osd["state"].items()},
                 "param_groups": copy.deepcopy(osd["param_groups"]),
             }
             for osd in optimizer_states
@@ -160,15 +167,7 @@ def _describe(weights: Mapping[str, Any], optimizer_states: Sequence[Mapping[str
     }
 
 
-def _spec(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return _Sent(value.shape, value.dtype)
-    return copy.deepcopy(value)  # a scalar tensor (e.g. AdamW's `step`) or a plain value travels whole
-
-
-def _receive(
-    original: torch.Tensor | None, spec: Any, target: Any, device: torch.device, read: list[torch.Tensor]
-) -> Any:
+def _receive(original: torch.Tensor | None, spec: Any, target: Any, device: torch.device) -> Any:
     """Rank 0's ``original`` (the others: ``spec``) into ``target``'s local shard, in place; returns the value."""
     if not isinstance(spec, _Sent):
         if isinstance(target, torch.Tensor) and isinstance(spec, torch.Tensor):
@@ -176,7 +175,6 @@ def _receive(
             return target
         return spec
     if original is not None:
-        read.append(original)
         buffer = original.to(device).contiguous()
     else:
         buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
@@ -207,29 +205,23 @@ def _broadcast_device() -> torch.device:
 
 
 class _MappedPages:
-    """Drops the pages of ``path``'s file mapping that finished tensors occupy from this process's memory.
+    """Drops the resident pages of ``path``'s file mappings from this process's memory.
 
     ``madvise(MADV_DONTNEED)`` on a file mapping nothing writes to discards only this process's page-table entries:
-    the data stays in the page cache and reading the tensors again maps it back. Only addresses inside this file's
-    own mappings (from ``/proc/self/maps``) are advised, never anonymous memory. Linux only; elsewhere a no-op.
+    the data stays in the page cache, and a tensor read again maps it back. The whole mapping is advised each time,
+    so pages the kernel mapped around a fault (ahead of the tensors read) go too. Only this file's own mappings
+    (from ``/proc/self/maps``) are advised, never anonymous memory. Linux only; elsewhere a no-op.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.ranges = _file_mappings(Path(path))
-        self.page = mmap.PAGESIZE
         self.madvise = _libc_madvise() if self.ranges else None
 
-    def drop(self, tensors: Iterable[torch.Tensor]) -> None:
+    def release(self) -> None:
         if self.madvise is None:
             return
-        for tensor in tensors:
-            start = tensor.data_ptr()
-            end = start + tensor.numel() * tensor.element_size()
-            for low, high in self.ranges:
-                # Rounded out to whole pages: a neighbour's bytes on a shared page are simply read again later.
-                begin, stop = max(start, low) // self.page * self.page, min(end, high)
-                if stop > begin:
-                    self.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), mmap.MADV_DONTNEED)
+        for low, high in self.ranges:
+            self.madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), mmap.MADV_DONTNEED)
 
 
 def _file_mappings(path: Path) -> list[tuple[int, int]]:
