@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from toy import FULL, ToyModel
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
-from lightning_shard.checkpoint import convert, unit_load
+from lightning_shard.checkpoint import convert, reader, unit_load
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.cli import main as cli_main
 
@@ -302,9 +302,10 @@ def test_in_place_reader_reads_what_file_system_reader_reads(
     one_rank_group: DeviceMesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     saved = {
-        "plain": torch.randn(64, 32),
+        "plain": torch.randn(8, 32),
+        "twin": torch.randn(8, 32),  # laid out like "plain": found from the first one's layout
+        "transposed": torch.randn(32, 8).t(),  # shape, dtype and archive length of "plain", but strided: not in place
         "bf16": torch.randn(10).to(torch.bfloat16),
-        "transposed": torch.randn(8, 32).t(),  # saved with its strides: not read in place
         "scalar": torch.tensor(3.5),
         "shard": distribute_tensor(torch.randn(16, 4), one_rank_group, [Shard(0)]),
         "count": 7,
@@ -318,6 +319,9 @@ def test_in_place_reader_reads_what_file_system_reader_reads(
 
     delegated: list[str] = []
     read_data = dcp.FileSystemReader.read_data
+    opened: list[tuple] = []
+    open_plain = reader._open_plain
+    monkeypatch.setattr(reader, "_open_plain", lambda *args: opened.append(args[3:]) or open_plain(*args))
 
     def spy(self: dcp.FileSystemReader, plan: Any, planner: Any) -> Any:
         delegated.extend(item.storage_index.fqn for item in plan.items)
@@ -330,6 +334,7 @@ def test_in_place_reader_reads_what_file_system_reader_reads(
     metadata = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata()
     dcp.load(ours, storage_reader=InPlaceFileSystemReader(tmp_path / "ckpt", metadata))
     assert sorted(delegated) == ["count", "transposed"]
+    assert len(opened) == 5  # every tensor's archive but one of the twins was opened with torch's zip reader
     for key, value in saved.items():
         expected = value.full_tensor() if isinstance(value, DTensor) else value
         got = ours[key].full_tensor() if isinstance(ours[key], DTensor) else ours[key]

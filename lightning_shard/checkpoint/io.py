@@ -37,6 +37,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _gc_context,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -217,10 +218,14 @@ class ShardedCheckpointIO(CheckpointIO):
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
         from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
         path = _existing(path)
-        load_optimizers = bool(optimizers) and not weights_only
-        if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
-            return self._load_sharded(path, model, optimizers if load_optimizers else [], strict)
-        return self._load_full(path, model, optimizers if load_optimizers else [], strict)
+        optimizers = optimizers if optimizers and not weights_only else []
+        # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
+        # the garbage collector, unpickling the metadata and plans does not set off a sweep of the whole heap (as in
+        # torch's own state-dict functions).
+        with torch.no_grad(), _gc_context():
+            if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
+                return self._load_sharded(path, model, optimizers, strict)
+            return self._load_full(path, model, optimizers, strict)
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
         model_state = self.model_state(model, full=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,9 +47,8 @@ class InPlaceFileSystemReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None) -> None:
         super().__init__(path)
         self._metadata = metadata
-        # data.pkl + byteorder of an archive -> whether it holds one contiguous tensor of its whole storage.
-        # DCP writes one archive per tensor; archives of equal dtype and shape have equal pickles.
-        self._plain_layouts: dict[tuple[bytes, bytes], bool] = {}
+        # (archive length, dtype, shape) -> the layout of a plain archive of that kind opened before.
+        self._layouts: dict[tuple[int, torch.dtype, tuple[int, ...]], _Layout] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None or args or kwargs:
@@ -107,34 +107,55 @@ class InPlaceFileSystemReader(FileSystemReader):
     ) -> int | None:
         """Where the tensor's bytes start inside the archive at ``offset``, if it is one contiguous ``dtype``
         tensor of shape ``sizes`` filling its storage (DCP's own writes); None otherwise."""
-        try:
-            archive = torch._C.PyTorchFileReader(_create_file_view(stream, offset, length))
-            records = archive.get_all_records()
-            if [name for name in records if name.startswith("data/")] != [_STORAGE_RECORD]:
-                return None
-            key = (archive.get_record("data.pkl"), archive.get_record("byteorder") if "byteorder" in records else b"")
-            if key not in self._plain_layouts:
-                self._plain_layouts[key] = _is_plain(stream, offset, length, key[1], dtype, sizes)
-            if not self._plain_layouts[key]:
-                return None
-            return archive.get_record_offset(_STORAGE_RECORD)
-        except Exception:  # anything unusual: FileSystemReader reads it (and raises its own error if damaged)
+        key = (length, dtype, tuple(sizes))
+        known = self._layouts.get(key)
+        if known is not None:
+            # An archive of the same length, dtype and shape was opened already. Where its pickle (dtype, shape,
+            # strides, storage) sits, this one's holds the same bytes: torch.save laid both out alike, so the tensor
+            # starts at the same offset. Opening every archive with torch's zip reader cost as much as reading.
+            stream.seek(offset + known.pickle_offset)
+            if stream.read(len(known.pickle)) == known.pickle:
+                return known.data_offset
+        layout = _open_plain(stream, offset, length, dtype, sizes)
+        if layout is not None:
+            self._layouts[key] = layout
+        return layout.data_offset if layout is not None else None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a one-tensor ``torch.save`` archive keeps its pickle and its tensor's bytes."""
+
+    pickle_offset: int
+    pickle: bytes
+    data_offset: int
+
+
+def _open_plain(stream: Any, offset: int, length: int, dtype: torch.dtype, sizes: torch.Size) -> _Layout | None:
+    """The layout of the archive at ``offset`` if it holds one contiguous ``dtype`` tensor of shape ``sizes`` filling
+    its storage, in this machine's byte order; None otherwise (or if torch's reader cannot open it)."""
+    try:
+        archive = torch._C.PyTorchFileReader(_create_file_view(stream, offset, length))
+        records = archive.get_all_records()
+        if [name for name in records if name.startswith("data/")] != [_STORAGE_RECORD]:
             return None
-
-
-def _is_plain(stream: Any, offset: int, length: int, byteorder: bytes, dtype: torch.dtype, sizes: torch.Size) -> bool:
-    """The archive's tensor, unpickled without its data: ``dtype``, ``sizes``, contiguous, its whole storage."""
-    if byteorder not in (b"", sys.byteorder.encode()):
-        return False
-    layout = torch.load(_create_file_view(stream, offset, length), map_location="meta", weights_only=True)
-    return (
-        isinstance(layout, torch.Tensor)
-        and layout.dtype == dtype
-        and layout.shape == sizes
-        and layout.is_contiguous()
-        and layout.storage_offset() == 0
-        and layout.untyped_storage().nbytes() == layout.numel() * layout.element_size()
-    )
+        if "byteorder" in records and archive.get_record("byteorder") != sys.byteorder.encode():
+            return None
+        layout = torch.load(_create_file_view(stream, offset, length), map_location="meta", weights_only=True)
+        plain = (
+            isinstance(layout, torch.Tensor)
+            and layout.dtype == dtype
+            and layout.shape == sizes
+            and layout.is_contiguous()
+            and layout.storage_offset() == 0
+            and layout.untyped_storage().nbytes() == layout.numel() * layout.element_size()
+        )
+        if not plain:
+            return None
+        pickle = archive.get_record("data.pkl")
+        return _Layout(archive.get_record_offset("data.pkl"), pickle, archive.get_record_offset(_STORAGE_RECORD))
+    except Exception:  # anything unusual: FileSystemReader reads it (and raises its own error if damaged)
+        return None
 
 
 def _saved_chunk_sizes(entry: TensorStorageMetadata, index: MetadataIndex) -> torch.Size | None:

@@ -82,7 +82,7 @@ def load_full_unit_by_unit(
     source = rank() == 0
     model_state = get_model_state_dict(model)
     live_states = [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers]
-    pages = _MappedPages(mapped_file) if source and mapped_file is not None else None
+    pages = _MappedPages(mapped_file, weights.values()) if source and mapped_file is not None else None
     described = broadcast_object(_describe(weights, optimizer_states if optimizers else []) if source else None)
     if pages is not None:
         pages.release()  # those of the scalars (AdamW's `step`s) copied into the description
@@ -171,7 +171,7 @@ def _receive(original: torch.Tensor | None, spec: Any, target: Any, device: torc
     """Rank 0's ``original`` (the others: ``spec``) into ``target``'s local shard, in place; returns the value."""
     if not isinstance(spec, _Sent):
         if isinstance(target, torch.Tensor) and isinstance(spec, torch.Tensor):
-            target.copy_(spec)
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(spec)
             return target
         return spec
     if original is not None:
@@ -205,16 +205,18 @@ def _broadcast_device() -> torch.device:
 
 
 class _MappedPages:
-    """Drops the resident pages of ``path``'s file mappings from this process's memory.
+    """Drops the resident pages of the mapping ``torch.load(path, mmap=True)`` made from this process's memory.
 
     ``madvise(MADV_DONTNEED)`` on a file mapping nothing writes to discards only this process's page-table entries:
     the data stays in the page cache, and a tensor read again maps it back. The whole mapping is advised each time,
-    so pages the kernel mapped around a fault (ahead of the tensors read) go too. Only this file's own mappings
-    (from ``/proc/self/maps``) are advised, never anonymous memory. Linux only; elsewhere a no-op.
+    so pages the kernel mapped around a fault (ahead of the tensors read) go too. Only the mapping of ``path`` that
+    holds ``tensors`` (from ``/proc/self/maps``) is advised: never anonymous memory, nor another mapping of the
+    same file. Linux only; elsewhere a no-op.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.ranges = _file_mappings(Path(path))
+    def __init__(self, path: str | os.PathLike, tensors: Iterable[Any]) -> None:
+        anchor = next((t.data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()), None)
+        self.ranges = [(low, high) for low, high in _file_mappings(Path(path)) if anchor and low <= anchor < high]
         self.madvise = _libc_madvise() if self.ranges else None
 
     def release(self) -> None:
