@@ -97,11 +97,12 @@ def _phases(seconds: dict[str, float]) -> Iterator[None]:
     from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 
     targets: list[tuple[Any, str, str]] = [
-        (integrity, "agreed", "integrity check (metadata, file sizes, names and shapes; agreed by all ranks)"),
-        (io.ShardedCheckpointIO, "model_state", "get_model_state_dict (sharded, the live shards)"),
-        (io.ShardedCheckpointIO, "optimizer_state", "get_optimizer_state_dict (sharded, the live states)"),
-        (dcp, "load", "dcp.load (planning, reading, collectives)"),
-        (InPlaceFileSystemReader, "read_data", "  of which reading the shards into the live tensors"),
+        (integrity, "agreed", "the two agreements across ranks (and what they wrap)"),
+        (integrity, "check_sharded_fits", "integrity check (metadata, file sizes, names and shapes)"),
+        (io.ShardedCheckpointIO, "model_state", "get_model_state_dict (sharded: the live shards)"),
+        (io.ShardedCheckpointIO, "optimizer_state", "get_optimizer_state_dict (sharded: the live states)"),
+        (dcp, "load", "dcp.load (planning and reading)"),
+        (InPlaceFileSystemReader, "read_data", "of which reading the shards into the live tensors"),
         (io, "set_model_state_dict", "set_model_state_dict"),
         (io, "set_optimizer_state_dict", "set_optimizer_state_dict"),
     ]
@@ -180,10 +181,14 @@ def _speed_worker(args: argparse.Namespace) -> None:
             for repeat in range(args.repeats):
                 for kind, load in loads.items():
                     seconds: dict[str, float] = defaultdict(float)
+                    cpu = time.process_time()
                     with _phases(seconds) if kind == "sharded" else _nothing():
                         elapsed = timed(load)
+                    # CPU seconds of the busiest rank: what the wall time would be on an otherwise idle machine
+                    cpu = max(strategy.all_gather(torch.tensor(time.process_time() - cpu, dtype=torch.float64)))
                     record = {"repeat": repeat, "kind": kind, "bytes": self.saves[kind]["bytes"]}
-                    self.records.append({**record, "load_seconds": elapsed, **self.saves[kind]})
+                    self.records.append({**record, "load_seconds": elapsed, "load_cpu_seconds": float(cpu)})
+                    self.records[-1].update(self.saves[kind])
                     if kind == "sharded":
                         self.phases.append(dict(seconds))
             barrier()
@@ -354,7 +359,10 @@ def _summarise(speed: dict[str, Any], memory: dict[str, Any] | None, args: argpa
         full_ratios.append(full_ratio)
         line = f"round {raw['repeat'] + 1}: sharded load"
         rows.append([line, f"{sharded['load_seconds']:.3f} s", f"raw {raw['load_seconds']:.3f} s", f"{ratio:.2f}x"])
-        print(f"{line} {sharded['load_seconds']:.3f} s, raw torch.load {raw['load_seconds']:.3f} s: {ratio:.2f}x")
+        print(
+            f"{line} {sharded['load_seconds']:.3f} s, raw torch.load {raw['load_seconds']:.3f} s: {ratio:.2f}x "
+            f"(CPU s: sharded busiest rank {sharded['load_cpu_seconds']:.3f}, raw {raw['load_cpu_seconds']:.3f})"
+        )
     raw = summary["raw"]
     for kind, label in (("sharded", "sharded"), ("full", "full-file")):
         for what in ("load", "save"):
@@ -379,6 +387,11 @@ def _summarise(speed: dict[str, Any], memory: dict[str, Any] | None, args: argpa
         f"Sharded load vs raw, per round: {', '.join(f'{r:.2f}x' for r in ratios)} (min {min(ratios):.2f}x, "
         f"max {max(ratios):.2f}x); >= 1.00x in {sum(r >= 1.0 for r in ratios)} of {len(ratios)} rounds. "
         f"Full-file load vs raw, per round: {', '.join(f'{r:.2f}x' for r in full_ratios)}.",
+        "CPU seconds per load (median over rounds; the busiest rank): sharded "
+        f"{median([r['load_cpu_seconds'] for r in by_kind['sharded']]):.3f}, full-file "
+        f"{median([r['load_cpu_seconds'] for r in by_kind['full']]):.3f}, raw "
+        f"{median([r['load_cpu_seconds'] for r in by_kind['raw']]):.3f}: on a machine where each rank has its own "
+        "core, loads take about their CPU time; a shared machine adds waiting to the wall times above.",
         "Where rank 0's time went in the sharded loads (median s over rounds): "
         + "; ".join(f"{label} {median(values):.3f}" for label, values in phases.items())
         + ".",

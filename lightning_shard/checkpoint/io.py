@@ -243,11 +243,11 @@ class ShardedCheckpointIO(CheckpointIO):
         # One pass over the files for everything: the live shards are filled in place, the rest of the checkpoint
         # (loops, callbacks, ..., param groups) is read into `target` alongside; `.metadata` is not read again.
         _add_saved_entries(target, metadata, len(optimizers))
-        dcp.load(
-            target,
-            storage_reader=InPlaceFileSystemReader(path, metadata),
-            planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict),
-        )
+        reader = InPlaceFileSystemReader(path, metadata)
+        planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+        # Each rank plans and reads on its own (DCP's global load plan is each rank's own plan, unchanged), then one
+        # agreement instead of DCP's three collectives: an error on any rank is raised on every rank.
+        integrity.agreed(lambda: _load_without_collectives(target, reader, planner))
         set_model_state_dict(model, target.pop(MODEL_KEY), options=StateDictOptions(strict=strict))
         for optimizer, state in zip(optimizers, target.pop(OPTIMIZER_KEY, []), strict=True):
             set_optimizer_state_dict(model, optimizer, state)
@@ -273,6 +273,12 @@ class ShardedCheckpointIO(CheckpointIO):
         )
         # Copied: nothing handed to Lightning may keep the mapped file alive (a ModelCheckpoint score is a tensor).
         return broadcast_object(copy.deepcopy(checkpoint))
+
+
+def _load_without_collectives(target: dict[str, Any], reader: dcp.StorageReader, planner: dcp.LoadPlanner) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def _add_saved_entries(target: dict[str, Any], metadata: Metadata, optimizers: int) -> None:
