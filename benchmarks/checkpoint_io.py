@@ -4,15 +4,20 @@ full checkpoint.
     python benchmarks/checkpoint_io.py                   # -> benchmarks/results/checkpoint_io.json
     python benchmarks/checkpoint_io.py --skip-memory     # the speed rounds only
 
-Speed (one launch: GPT, 85M parameters + AdamW, ``ShardedStrategy`` FULL_SHARD on 2 CPU ranks, Lightning's launcher):
-one training step so the AdamW states exist; the checkpoint is saved once in each format (timed: a sharded directory,
-a full file, and a raw ``torch.save`` of the full file's content by rank 0) and each is loaded once to warm the page
-cache; then, for ``--repeats`` rounds, in this order:
-  raw      rank 0 alone ``torch.load``-s the full file: one process reading the whole checkpoint;
-  sharded  ``strategy.load_checkpoint`` of the directory (what ``fit(ckpt_path=...)`` runs: into the sharded model
-           and optimizer; every rank reads its own shards);
-  full     ``strategy.load_checkpoint`` of the file (rank 0 maps it and broadcasts it FSDP unit by unit).
-Every timing has a barrier on both ends. Per round, "sharded vs raw" = raw seconds / sharded seconds (>= 1: the
+Speed (one launch: GPT, 100M parameters + AdamW, ``ShardedStrategy`` FULL_SHARD on 2 CPU ranks, Lightning's
+launcher): one training step so the AdamW states exist; the checkpoint is saved once in each format (timed: a sharded
+directory, a full file, and a raw ``torch.save`` of the full file's content by rank 0) and each is loaded once to warm
+the page cache; then, for ``--repeats`` rounds, in this order:
+  fresh     a fresh process ``torch.load``-s the raw file, timed inside it around the call (its allocator faults
+            in every page of the result: what a new process's ``torch.load`` costs; reported alongside);
+  raw       rank 0 alone ``torch.load``-s it, right after an untimed load of it was freed, so the allocator reuses
+            pages already faulted in (the sharded load writes into tensors that exist): one process reading the
+            same bytes at its fastest, the reference of the ratios;
+  sharded   ``strategy.load_checkpoint`` of the directory (what ``fit(ckpt_path=...)`` runs: into the sharded model
+            and optimizer; every rank reads its own shards);
+  full      ``strategy.load_checkpoint`` of the file (rank 0 maps it and broadcasts it FSDP unit by unit).
+Every in-process timing has a barrier on both ends, and records the CPU seconds of the busiest rank (the wall time
+on a machine where nothing else runs). Per round, "sharded vs raw" = raw seconds / sharded seconds (>= 1: the
 sharded load is at least as fast as one process reading the same bytes). Each sharded load also records where rank
 0's wall time went (integrity check, reading the shards, setting the model and optimizer state).
 
@@ -48,6 +53,13 @@ from benchmarks.common import RESULTS, barrier, machine, median, random_token_da
 SPEED_MODEL = dict(n_layer=14, n_head=12, n_embd=768, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=1)
 MEMORY_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=2048, dropout=0.0, warmup_steps=1)
 MARGIN = 1.2  # the memory bound's 20%
+# The fresh-process raw load: torch.load of the file, timed around the call (seconds, CPU seconds). A mapped load
+# first (no tensor data read) imports what unpickling the checkpoint needs (lightning), untimed.
+_RAW_LOAD = (
+    "import json, sys, time, torch; torch.load(sys.argv[1], weights_only=False, mmap=True); "
+    "cpu, start = time.process_time(), time.perf_counter(); torch.load(sys.argv[1], weights_only=False); "
+    "print(json.dumps([time.perf_counter() - start, time.process_time() - cpu]))"
+)
 
 
 def _size(path: Path) -> int:
@@ -99,12 +111,10 @@ def _phases(seconds: dict[str, float]) -> Iterator[None]:
     targets: list[tuple[Any, str, str]] = [
         (integrity, "agreed", "the two agreements across ranks (and what they wrap)"),
         (integrity, "check_sharded_fits", "integrity check (metadata, file sizes, names and shapes)"),
-        (io.ShardedCheckpointIO, "model_state", "get_model_state_dict (sharded: the live shards)"),
-        (io.ShardedCheckpointIO, "optimizer_state", "get_optimizer_state_dict (sharded: the live states)"),
+        (io, "_live_states", "get_state_dict (sharded: the live shards and optimizer states)"),
         (dcp, "load", "dcp.load (planning and reading)"),
         (InPlaceFileSystemReader, "read_data", "of which reading the shards into the live tensors"),
-        (io, "set_model_state_dict", "set_model_state_dict"),
-        (io, "set_optimizer_state_dict", "set_optimizer_state_dict"),
+        (io, "_set_live_states", "set_state_dict"),
     ]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
 
@@ -147,6 +157,7 @@ def _speed_worker(args: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.saves: dict[str, dict[str, float]] = {}
             self.records: list[dict[str, Any]] = []
+            self.raw_fresh_process: list[dict[str, Any]] = []
             self.phases: list[dict[str, float]] = []
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -167,11 +178,25 @@ def _speed_worker(args: argparse.Namespace) -> None:
             for kind, path in paths.items():
                 self.saves[kind]["bytes"] = strategy.broadcast(_size(path) if rank0 else 0)
 
+            def raw_load_fresh() -> tuple[float, float]:
+                """A fresh process torch.load-s the file, timed inside it: its allocator has no pages to reuse."""
+                if not rank0:
+                    return 0.0, 0.0
+                command = [sys.executable, "-c", _RAW_LOAD, str(paths["raw"])]
+                return tuple(json.loads(subprocess.run(command, capture_output=True, text=True, check=True).stdout))
+
+            def raw_warm_up() -> None:
+                # Loaded and freed just before the timed raw load, so its allocations reuse pages already faulted
+                # in, as the sharded load writes into tensors that exist: the strictest one-process reference.
+                if rank0:
+                    torch.load(paths["raw"], weights_only=False)
+
             def raw_load() -> None:
                 if rank0:
                     torch.load(paths["raw"], weights_only=False)
 
             loads = {
+                "raw_fresh": raw_load_fresh,
                 "raw": raw_load,
                 "sharded": lambda: strategy.load_checkpoint(paths["sharded"]),
                 "full": lambda: strategy.load_checkpoint(paths["full"]),
@@ -180,15 +205,20 @@ def _speed_worker(args: argparse.Namespace) -> None:
                 timed(load)
             for repeat in range(args.repeats):
                 for kind, load in loads.items():
+                    if kind == "raw":
+                        raw_warm_up()
                     seconds: dict[str, float] = defaultdict(float)
                     cpu = time.process_time()
+                    inside: list[Any] = []
                     with _phases(seconds) if kind == "sharded" else _nothing():
-                        elapsed = timed(load)
+                        elapsed = timed(lambda load=load, inside=inside: inside.append(load()))
                     # CPU seconds of the busiest rank: what the wall time would be on an otherwise idle machine
-                    cpu = max(strategy.all_gather(torch.tensor(time.process_time() - cpu, dtype=torch.float64)))
-                    record = {"repeat": repeat, "kind": kind, "bytes": self.saves[kind]["bytes"]}
-                    self.records.append({**record, "load_seconds": elapsed, "load_cpu_seconds": float(cpu)})
-                    self.records[-1].update(self.saves[kind])
+                    cpu = float(max(strategy.all_gather(torch.tensor(time.process_time() - cpu, dtype=torch.float64))))
+                    if kind == "raw_fresh":
+                        elapsed, cpu = strategy.broadcast(inside[0])
+                    record = {"repeat": repeat, "kind": kind, "bytes": self.saves["raw"]["bytes"]}
+                    record.update(self.saves.get(kind, {}), load_seconds=elapsed, load_cpu_seconds=cpu)
+                    (self.raw_fresh_process if kind == "raw_fresh" else self.records).append(record)
                     if kind == "sharded":
                         self.phases.append(dict(seconds))
             barrier()
@@ -206,7 +236,13 @@ def _speed_worker(args: argparse.Namespace) -> None:
     )
     if trainer.is_global_zero:
         num_params = sum(p.numel() for p in trainer.strategy.model.parameters())
-        result = {"records": rounds.records, "saves": rounds.saves, "phases": rounds.phases, "num_params": num_params}
+        result = {
+            "records": rounds.records,
+            "raw_fresh_process": rounds.raw_fresh_process,
+            "saves": rounds.saves,
+            "phases": rounds.phases,
+            "num_params": num_params,
+        }
         Path(args.out).write_text(json.dumps(result))
 
 
@@ -328,6 +364,7 @@ def main() -> None:
             "devices": args.devices,
             "wall_seconds": wall,
             "records": speed["records"],
+            "raw_fresh_process": speed["raw_fresh_process"],
             "saves": speed["saves"],
             "phases": speed["phases"],
             "median": summary,
@@ -382,20 +419,29 @@ def _summarise(speed: dict[str, Any], memory: dict[str, Any] | None, args: argpa
     notes = [
         f"GPT with {speed['num_params']:,} parameters + AdamW, FULL_SHARD on {args.devices} CPU ranks: sharded "
         f"directory {summary['sharded']['bytes'] / 1e6:.0f} MB, full file {summary['full']['bytes'] / 1e6:.0f} MB. "
-        "Raw: rank 0 alone torch.load-s (torch.save-s) the full file's content. Ratios are raw seconds / seconds "
-        "(>= 1.00x: as fast as one process moving the same bytes). Page cache warm: every file read once first.",
+        "Raw load: rank 0 alone torch.load-s the full file's content, right after an untimed load of it was freed "
+        "(its allocator reuses pages already faulted in, as the sharded load writes into tensors that exist); raw "
+        "save: rank 0 torch.save-s it. Ratios are raw seconds / seconds (>= 1.00x: as fast as one process moving the "
+        "same bytes). Page cache warm: every file read once first.",
         f"Sharded load vs raw, per round: {', '.join(f'{r:.2f}x' for r in ratios)} (min {min(ratios):.2f}x, "
         f"max {max(ratios):.2f}x); >= 1.00x in {sum(r >= 1.0 for r in ratios)} of {len(ratios)} rounds. "
         f"Full-file load vs raw, per round: {', '.join(f'{r:.2f}x' for r in full_ratios)}.",
+        "Raw torch.load in a fresh process (every page of the result faulted in anew), per round: "
+        + ", ".join(
+            f"{fresh['load_seconds']:.3f} s (sharded {fresh['load_seconds'] / sharded['load_seconds']:.2f}x)"
+            for fresh, sharded in zip(speed["raw_fresh_process"], by_kind["sharded"], strict=True)
+        )
+        + ".",
         "CPU seconds per load (median over rounds; the busiest rank): sharded "
         f"{median([r['load_cpu_seconds'] for r in by_kind['sharded']]):.3f}, full-file "
         f"{median([r['load_cpu_seconds'] for r in by_kind['full']]):.3f}, raw "
-        f"{median([r['load_cpu_seconds'] for r in by_kind['raw']]):.3f}: on a machine where each rank has its own "
-        "core, loads take about their CPU time; a shared machine adds waiting to the wall times above.",
+        f"{median([r['load_cpu_seconds'] for r in by_kind['raw']]):.3f} (in a fresh process "
+        f"{median([r['load_cpu_seconds'] for r in speed['raw_fresh_process']]):.3f}): on a machine where each rank has "
+        "its own core, loads take about their CPU time; a shared machine adds waiting to the wall times above.",
         "Where rank 0's time went in the sharded loads (median s over rounds): "
         + "; ".join(f"{label} {median(values):.3f}" for label, values in phases.items())
         + ".",
-        "Raw save: torch.save of the full file's content by rank 0 (the timing includes reading that content).",
+        "Raw save: the timing includes reading the content it writes.",
     ]
     if memory:
         gib = 2**30

@@ -40,8 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
     _gc_context,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.tensor import DTensor
@@ -228,7 +230,7 @@ class ShardedCheckpointIO(CheckpointIO):
             return self._load_full(path, model, optimizers, strict)
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        model_state = self.model_state(model, full=False)
+        model_state, optimizer_states = _live_states(model, optimizers)
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
         metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, model_state, strict))
@@ -237,9 +239,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if optimizers:
             if OPTIMIZER_KEY not in saved_keys:
                 raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
-            target[OPTIMIZER_KEY] = [
-                {"state": self.optimizer_state(model, opt, full=False)["state"]} for opt in optimizers
-            ]
+            target[OPTIMIZER_KEY] = [{"state": state["state"]} for state in optimizer_states]
         # One pass over the files for everything: the live shards are filled in place, the rest of the checkpoint
         # (loops, callbacks, ..., param groups) is read into `target` alongside; `.metadata` is not read again.
         _add_saved_entries(target, metadata, len(optimizers))
@@ -248,9 +248,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Each rank plans and reads on its own (DCP's global load plan is each rank's own plan, unchanged), then one
         # agreement instead of DCP's three collectives: an error on any rank is raised on every rank.
         integrity.agreed(lambda: _load_without_collectives(target, reader, planner))
-        set_model_state_dict(model, target.pop(MODEL_KEY), options=StateDictOptions(strict=strict))
-        for optimizer, state in zip(optimizers, target.pop(OPTIMIZER_KEY, []), strict=True):
-            set_optimizer_state_dict(model, optimizer, state)
+        _set_live_states(model, optimizers, target.pop(MODEL_KEY), target.pop(OPTIMIZER_KEY, []), strict)
         return target
 
     def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
@@ -273,6 +271,29 @@ class ShardedCheckpointIO(CheckpointIO):
         )
         # Copied: nothing handed to Lightning may keep the mapped file alive (a ModelCheckpoint score is a tensor).
         return broadcast_object(copy.deepcopy(checkpoint))
+
+
+def _live_states(model: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The sharded model and optimizer state dicts (their tensors are the live shards), for a load to fill in place.
+    One optimizer: one ``get_state_dict`` call, which resolves the parameter names once for both."""
+    if len(optimizers) == 1:
+        model_state, optimizer_state = get_state_dict(model, optimizers[0])
+        return model_state, [optimizer_state]
+    return get_model_state_dict(model), [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers]
+
+
+def _set_live_states(
+    model: nn.Module, optimizers: list[Optimizer], model_state: dict, optimizer_states: list[dict], strict: bool
+) -> None:
+    """``set_state_dict`` on the filled state dicts: the load hooks run and the saved param groups take effect."""
+    options = StateDictOptions(strict=strict)
+    if len(optimizers) == 1:
+        set_state_dict(model, optimizers[0], model_state_dict=model_state, optim_state_dict=optimizer_states[0],
+                       options=options)  # fmt: skip
+        return
+    set_model_state_dict(model, model_state, options=options)
+    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+        set_optimizer_state_dict(model, optimizer, state)
 
 
 def _load_without_collectives(target: dict[str, Any], reader: dcp.StorageReader, planner: dcp.LoadPlanner) -> None:
