@@ -11,9 +11,9 @@ the page cache; then, for ``--repeats`` rounds, in this order:
   best      a fresh process ``torch.load``-s the raw file twice with glibc told to keep freed memory, and times the
             second load inside it: it reuses every page the first faulted in, the fastest a one-process
             ``torch.load`` gets (the page cache copied into memory that exists); reported alongside;
-  raw       rank 0 alone ``torch.load``-s it, right after an untimed load of it was freed, so the allocator reuses
-            pages already faulted in (the sharded load writes into tensors that exist): one process reading the
-            same bytes at its fastest, the reference of the ratios;
+  raw       rank 0 alone ``torch.load``-s it, right after an untimed load of it was freed (as this benchmark's raw
+            round always did): the reference of the ratios. Whether glibc hands the freed pages back to the timed
+            load or faults in new ones varies from run to run, and so does this figure;
   sharded   ``strategy.load_checkpoint`` of the directory (what ``fit(ckpt_path=...)`` runs: into the sharded model
             and optimizer; every rank reads its own shards);
   full      ``strategy.load_checkpoint`` of the file (rank 0 maps it and broadcasts it FSDP unit by unit).
@@ -192,8 +192,8 @@ def _speed_worker(args: argparse.Namespace) -> None:
                 return json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
 
             def raw_warm_up() -> None:
-                # Loaded and freed just before the timed raw load, so its allocations reuse pages already faulted
-                # in, as the sharded load writes into tensors that exist: the strictest one-process reference.
+                # Loaded and freed just before the timed raw load, as the raw round always did (its allocations may
+                # then reuse pages already faulted in; the best-case round shows what that is worth).
                 if rank0:
                     torch.load(paths["raw"], weights_only=False)
 
@@ -426,7 +426,7 @@ def _summarise(speed: dict[str, Any], memory: dict[str, Any] | None, args: argpa
         f"GPT with {speed['num_params']:,} parameters + AdamW, FULL_SHARD on {args.devices} CPU ranks: sharded "
         f"directory {summary['sharded']['bytes'] / 1e6:.0f} MB, full file {summary['full']['bytes'] / 1e6:.0f} MB. "
         "Raw load: rank 0 alone torch.load-s the full file's content, right after an untimed load of it was freed "
-        "(its allocator reuses pages already faulted in, as the sharded load writes into tensors that exist); raw "
+        "(whether glibc hands those pages to the timed load varies from run to run, so the raw time does); raw "
         "save: rank 0 torch.save-s it. Ratios are raw seconds / seconds (>= 1.00x: as fast as one process moving the "
         "same bytes). Page cache warm: every file read once first.",
         f"Sharded load vs raw, per round: {', '.join(f'{r:.2f}x' for r in ratios)} (min {min(ratios):.2f}x, "
