@@ -293,7 +293,7 @@ def _set_live_states(
         return
     set_model_state_dict(model, model_state, options=options)
     for optimizer, state in zip(optimizers, optimizer_states, strict=True):
-        set_optimizer_state_dict(model, optimizer, state)
+        set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def _load_without_collectives(target: dict[str, Any], reader: dcp.StorageReader, planner: dcp.LoadPlanner) -> None:

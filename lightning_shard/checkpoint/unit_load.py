@@ -91,6 +91,12 @@ def load_full_unit_by_unit(
             f"The checkpoint holds the states of {len(described['optimizers'])} optimizer(s), the model has "
             f"{len(optimizers)}: load it into the model it was saved from."
         )
+    if any(not isinstance(key, str) for saved in described["optimizers"] for key in saved["state"]):
+        raise ValueError(
+            "The checkpoint's optimizer states are keyed by parameter position, not name (saved by a strategy "
+            "that does not name them, such as Lightning's single-device or DDP): they cannot be matched to sharded "
+            "parameters. Load its weights with `LightningModule.load_from_checkpoint(...)` and train from there."
+        )
     device = _broadcast_device()
 
     for unit_keys in unit_key_groups(model, model_state):
