@@ -5,12 +5,17 @@
     python tests/checkpoint_run.py topk   --devices 2 --out DIR
 
 Each writes ``result.pt`` on rank 0: per-step global losses and the full weights and optimizer state (gathered
-with torch.distributed.checkpoint's state-dict API) at the start and the end of training.
+with torch.distributed.checkpoint's state-dict API) at the start and the end of training, and the scheduler's and
+callback's state at the end.
+
+The model carries the Lightning state that flattening checkpoints loses: an LR scheduler whose lambda is a
+``functools.partial`` (``LambdaLR`` saves it as ``{}``) and a callback whose state holds an empty list.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -27,6 +32,35 @@ from toy import GlobalLossRecorder, StateRecorder, ToyModel, rank_slice_loader  
 import lightning_shard  # noqa: E402
 
 GLOBAL_BATCH = 8
+
+
+def decay(step: int, rate: float) -> float:
+    return rate**step
+
+
+class ScheduledToyModel(ToyModel):
+    """``ToyModel`` with a per-step ``LambdaLR`` whose lambda is a ``functools.partial``."""
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(decay, rate=0.9))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class StepCounter(L.Callback):
+    """A callback with state: batches seen, and a list that stays empty."""
+
+    def __init__(self) -> None:
+        self.batches, self.notes = 0, []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "notes": list(self.notes)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches, self.notes = state_dict["batches"], state_dict["notes"]
 
 
 def make_trainer(args: argparse.Namespace, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
@@ -63,15 +97,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(0, verbose=False)
-    model = ToyModel()
-    losses, states = GlobalLossRecorder(), StateRecorder()
+    model = ScheduledToyModel()
+    losses, states, counter = GlobalLossRecorder(), StateRecorder(), StepCounter()
     if args.mode == "topk":
         saver = ModelCheckpoint(
             dirpath=args.out / "ckpts", monitor="step", mode="max", save_top_k=2, every_n_train_steps=1, save_last=True
         )
-        trainer = make_trainer(args, [losses, states, saver], enable_checkpointing=True)
+        trainer = make_trainer(args, [losses, states, counter, saver], enable_checkpointing=True)
     else:
-        trainer = make_trainer(args, [losses, states], enable_checkpointing=False)
+        trainer = make_trainer(args, [losses, states, counter], enable_checkpointing=False)
     if args.ckpt is not None and args.ckpt.is_file() and not args.reference:
         _forbid_reading_checkpoints_off_rank_zero()
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH), ckpt_path=args.ckpt)
@@ -79,7 +113,13 @@ def main() -> None:
         trainer.save_checkpoint(args.out / "model.ckpt")
         trainer.save_checkpoint(args.out / "weights.ckpt", weights_only=True)
     if trainer.is_global_zero:
-        torch.save({"losses": losses.losses, **states.states}, args.out / "result.pt")
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        lightning_state = {
+            "scheduler": scheduler.state_dict(),
+            "lr": scheduler.get_last_lr(),
+            "callback": counter.state_dict(),
+        }
+        torch.save({"losses": losses.losses, **states.states, **lightning_state}, args.out / "result.pt")
 
 
 def _forbid_reading_checkpoints_off_rank_zero() -> None:

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_shard.checkpoint.io import MODEL_KEY, WORLD_SIZE_KEY, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.io import (
+    MODEL_KEY,
+    WORLD_SIZE_KEY,
+    ShardedCheckpointIO,
+    is_sharded_checkpoint,
+    read_sharded_keys,
+)
 
 
 def convert(src: Path, dst: Path) -> str:
@@ -30,7 +39,16 @@ def convert(src: Path, dst: Path) -> str:
         return "sharded -> full"
     if src.is_dir():
         raise ValueError(f"{src} is a directory without torch.distributed.checkpoint metadata (.metadata).")
-    torch_save_to_dcp(src, dst)
+    # Not torch's `torch_save_to_dcp`: it flattens every value into DCP leaves, which drops empty containers (a
+    # `functools.partial` LR lambda's `{}`, a loop's empty state), and Lightning then fails to resume. Written as
+    # the strategy writes a sharded checkpoint instead; the file is mapped, not read into memory.
+    checkpoint = integrity.load_full_file(src, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(src))
+    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+        raise ValueError(f"{src} is not a Lightning checkpoint: it has no {MODEL_KEY!r} entry.")
+    with warnings.catch_warnings():
+        # Writing from one process without a process group is the point here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        ShardedCheckpointIO().save_sharded(checkpoint, dst)
     return "full -> sharded"
 
 

@@ -13,6 +13,7 @@ reach).
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -166,13 +167,19 @@ def check_sharded_fits(path: str | os.PathLike, model_state: Mapping[str, Any], 
     return metadata
 
 
-def load_full_that_fits(path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+def load_full_that_fits(
+    path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool, mmap: bool = False
+) -> dict[str, Any]:
     """Load a full checkpoint file and check its weights' names and shapes against ``model_state``.
 
+    ``mmap``: map the file instead of reading it (``torch.load(mmap=True)``: tensors are read when used); a file in
+    torch's legacy (non-zip) format, which cannot be mapped, is read.
+
     Example:
-        >>> load_full_that_fits("out/model.ckpt", model.state_dict(), strict=True)  # doctest: +SKIP
+        >>> load_full_that_fits("out/model.ckpt", model.state_dict(), strict=True, mmap=True)  # doctest: +SKIP
     """
-    checkpoint = load_full_file(path, map_location="cpu", weights_only=False)
+    mmap = mmap and zipfile.is_zipfile(path)
+    checkpoint = load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
     saved = full_model_shapes(checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None)
     if saved is None:
         raise CheckpointIntegrityError(

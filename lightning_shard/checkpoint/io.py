@@ -9,11 +9,13 @@ parameter names and optimizer states under ``"optimizer_states"`` keyed by param
 
 Writes are atomic: into a hidden temporary sibling, renamed over the target once every rank has finished,
 so an interrupted save never leaves something that looks like a complete checkpoint.
-Either format loads into any world size: DCP reshards, and a full file is read by rank 0 and broadcast.
+Either format loads into any world size: DCP reshards, and a full file is mapped by rank 0 and broadcast unit by
+unit (``unit_load``).
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import pickle
@@ -31,12 +33,17 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _gc_context,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.tensor import DTensor
@@ -44,6 +51,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
+from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
+from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
@@ -108,24 +118,33 @@ class ShardedCheckpointIO(CheckpointIO):
             raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
         path = Path(path)
         if _holds_shards(checkpoint):
-            self._save_sharded(checkpoint, path)
+            self.save_sharded(checkpoint, path)
         else:
             self._save_full(checkpoint, path)
 
-    def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def save_sharded(self, checkpoint: dict[str, Any], path: _PATH) -> None:
+        """Write ``checkpoint`` as a sharded directory; call on every rank. Its weights and optimizer states are
+        written as DCP tensors (each rank its shards; whole tensors without a process group), everything else as
+        one pickled object per key, so empty containers survive (see :class:`_Pickled`).
+
+        Example:
+            >>> full = torch.load("full.ckpt", mmap=True, weights_only=False)  # doctest: +SKIP
+            >>> ShardedCheckpointIO().save_sharded(full, "sharded.ckpt")  # doctest: +SKIP
+        """
+        path = Path(path)
         staging = _staging_path(path)
         payload = {
             key: value if key in (MODEL_KEY, OPTIMIZER_KEY) else _opaque(value) for key, value in checkpoint.items()
         }
-        payload[WORLD_SIZE_KEY] = _world_size()
+        payload[WORLD_SIZE_KEY] = world_size()
         if self.async_save:
             self._save_in_background(payload, staging, path)
             return
         dcp.save(payload, checkpoint_id=staging)
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if rank() == 0:
             _replace(staging, path)
-        _barrier()
+        barrier()
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path) -> None:
         self.wait()
@@ -140,7 +159,7 @@ class ShardedCheckpointIO(CheckpointIO):
         def publish(done: Future) -> None:
             try:
                 done.result()
-                if _rank() == 0:
+                if rank() == 0:
                     # Rank 0's save completes after it has gathered every rank's write results and written the
                     # metadata, so every shard is on disk.
                     _replace(staging, path)
@@ -159,11 +178,11 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         staging = _staging_path(path)
-        if _rank() == 0:
+        if rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, staging)
             _replace(staging, path)
-        _barrier()
+        barrier()
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -201,13 +220,17 @@ class ShardedCheckpointIO(CheckpointIO):
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
         from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
         path = _existing(path)
-        load_optimizers = bool(optimizers) and not weights_only
-        if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
-            return self._load_sharded(path, model, optimizers if load_optimizers else [], strict)
-        return self._load_full(path, model, optimizers if load_optimizers else [], strict)
+        optimizers = optimizers if optimizers and not weights_only else []
+        # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
+        # the garbage collector, unpickling the metadata and plans does not set off a sweep of the whole heap (as in
+        # torch's own state-dict functions).
+        with torch.no_grad(), _gc_context():
+            if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
+                return self._load_sharded(path, model, optimizers, strict)
+            return self._load_full(path, model, optimizers, strict)
 
     def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        model_state = self.model_state(model, full=False)
+        model_state, optimizer_states = _live_states(model, optimizers)
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
         metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, model_state, strict))
@@ -216,30 +239,84 @@ class ShardedCheckpointIO(CheckpointIO):
         if optimizers:
             if OPTIMIZER_KEY not in saved_keys:
                 raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
-            target[OPTIMIZER_KEY] = [self.optimizer_state(model, opt, full=False) for opt in optimizers]
-        dcp.load(target, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-        set_model_state_dict(model, target[MODEL_KEY], options=StateDictOptions(strict=strict))
-        for optimizer, state in zip(optimizers, target.get(OPTIMIZER_KEY, []), strict=True):
-            set_optimizer_state_dict(model, optimizer, state)
-        return read_sharded_keys(path, saved_keys - {MODEL_KEY, OPTIMIZER_KEY})
+            target[OPTIMIZER_KEY] = [{"state": state["state"]} for state in optimizer_states]
+        # One pass over the files for everything: the live shards are filled in place, the rest of the checkpoint
+        # (loops, callbacks, ..., param groups) is read into `target` alongside; `.metadata` is not read again.
+        _add_saved_entries(target, metadata, len(optimizers))
+        reader = InPlaceFileSystemReader(path, metadata)
+        planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
+        # Each rank plans and reads on its own (DCP's global load plan is each rank's own plan, unchanged), then one
+        # agreement instead of DCP's three collectives: an error on any rank is raised on every rank.
+        integrity.agreed(lambda: _load_without_collectives(target, reader, planner))
+        _set_live_states(model, optimizers, target.pop(MODEL_KEY), target.pop(OPTIMIZER_KEY, []), strict)
+        return target
 
     def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
-        # Rank 0 alone reads and checks the file; the others learn its verdict before waiting in the broadcast
-        # below, and receive the weights by broadcast without touching the file.
+        # Rank 0 alone maps and checks the file (its data is read later, unit by unit); the others learn its
+        # verdict before waiting in the broadcasts, and receive their shards without touching the file.
         model_state = self.model_state(model, full=False)
-        checkpoint = integrity.agreed(lambda: integrity.load_full_that_fits(path, model_state, strict), _rank() == 0)
+        checkpoint = integrity.agreed(
+            lambda: integrity.load_full_that_fits(path, model_state, strict, mmap=True), rank() == 0
+        )
         checkpoint = checkpoint or {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, cpu_offload=True, strict=strict)
-        set_model_state_dict(model, checkpoint.pop(MODEL_KEY, {}), options=options)
-        optimizer_states = checkpoint.pop(OPTIMIZER_KEY, None)
-        if optimizers:
-            has_states = _broadcast_object(optimizer_states is not None)
-            if not has_states:
-                raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
-            for index, optimizer in enumerate(optimizers):
-                state = optimizer_states[index] if optimizer_states is not None else {}
-                set_optimizer_state_dict(model, optimizer, state, options=options)
-        return _broadcast_object(checkpoint)
+        if optimizers and not broadcast_object(OPTIMIZER_KEY in checkpoint):
+            raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
+        load_full_unit_by_unit(
+            checkpoint.pop(MODEL_KEY, None),
+            checkpoint.pop(OPTIMIZER_KEY, None),
+            model,
+            optimizers,
+            strict=strict,
+            mapped_file=path,
+        )
+        # Copied: nothing handed to Lightning may keep the mapped file alive (a ModelCheckpoint score is a tensor).
+        return broadcast_object(copy.deepcopy(checkpoint))
+
+
+def _live_states(model: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The sharded model and optimizer state dicts (their tensors are the live shards), for a load to fill in place.
+    One optimizer: one ``get_state_dict`` call, which resolves the parameter names once for both."""
+    if len(optimizers) == 1:
+        model_state, optimizer_state = get_state_dict(model, optimizers[0])
+        return model_state, [optimizer_state]
+    return get_model_state_dict(model), [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers]
+
+
+def _set_live_states(
+    model: nn.Module, optimizers: list[Optimizer], model_state: dict, optimizer_states: list[dict], strict: bool
+) -> None:
+    """``set_state_dict`` on the filled state dicts: the load hooks run and the saved param groups take effect."""
+    options = StateDictOptions(strict=strict)
+    if len(optimizers) == 1:
+        set_state_dict(model, optimizers[0], model_state_dict=model_state, optim_state_dict=optimizer_states[0],
+                       options=options)  # fmt: skip
+        return
+    set_model_state_dict(model, model_state, options=options)
+    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def _load_without_collectives(target: dict[str, Any], reader: dcp.StorageReader, planner: dcp.LoadPlanner) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def _add_saved_entries(target: dict[str, Any], metadata: Metadata, optimizers: int) -> None:
+    """Put placeholders into ``target`` for the entries read as saved rather than into live tensors: everything
+    outside the weights and optimizer states (loops, callbacks, schedulers, ...) and the first ``optimizers``
+    optimizers' param groups (their hyper-parameters: the saved ones win, as in ``Optimizer.load_state_dict``).
+    Rebuilt from the metadata as DCP's own ``_EmptyStateDictLoadPlanner`` rebuilds a whole checkpoint, so that the
+    same ``dcp.load`` reads them."""
+    for key, entry in metadata.state_dict_metadata.items():
+        path = (metadata.planner_data or {}).get(key, (key,))
+        if path[0] == MODEL_KEY:
+            continue
+        if path[0] == OPTIMIZER_KEY and not (len(path) > 2 and path[1] < optimizers and path[2] == "param_groups"):
+            continue
+        if isinstance(entry, TensorStorageMetadata):
+            entry = torch.empty(entry.size, dtype=entry.properties.dtype)
+        set_element(target, path, entry)
 
 
 class _Pickled:
@@ -288,7 +365,7 @@ def _existing(path: _PATH) -> Path:
 
 def _staging_path(path: Path) -> Path:
     # One name for all ranks: rank 0 draws it and broadcasts it.
-    token = _broadcast_object(uuid.uuid4().hex[:8])
+    token = broadcast_object(uuid.uuid4().hex[:8])
     return path.with_name(f".{path.name}.tmp-{token}")
 
 
@@ -304,24 +381,3 @@ def _replace(staging: Path, path: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
         elif leftover.exists():
             leftover.unlink()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed_is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _distributed_is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _distributed_is_initialized():
-        dist.barrier()
-
-
-def _broadcast_object(obj: Any) -> Any:
-    if not _distributed_is_initialized():
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]

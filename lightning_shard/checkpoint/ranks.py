@@ -1,0 +1,44 @@
+"""Process-group helpers for checkpoint code that also runs without a process group (conversion, one-process loads):
+then there is one rank, 0, and nothing to wait for or send."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+
+
+def rank() -> int:
+    """This process's rank, 0 without a process group.
+
+    Example:
+        >>> rank()
+        0
+    """
+    return dist.get_rank() if _distributed_is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks, 1 without a process group."""
+    return dist.get_world_size() if _distributed_is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
+    if _distributed_is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled); ``obj`` itself without a process group.
+
+    Example:
+        >>> broadcast_object({"step": 3})
+        {'step': 3}
+    """
+    if not _distributed_is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
