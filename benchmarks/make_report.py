@@ -27,8 +27,10 @@ EXPECTED = {
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
     "hf_loading": "python benchmarks/hf_loading.py",
-    "gpu_check": "python benchmarks/gpu_check.py (needs a GPU; none has been lent to this project yet)",
+    "gpu_check": "python benchmarks/gpu_check.py",
 }
+# Why an expected result may be missing, where the reason is known.
+MISSING_BECAUSE = {"gpu_check": "It needs a GPU, and none has been lent to this project yet."}
 HEADER = """# Benchmarks
 
 Current figures only: each table names the command that produced it, the commit it ran on and the machine.
@@ -45,13 +47,14 @@ def render_section(name: str, result: dict[str, Any] | None) -> str:
         ## x: not measured
     """
     if result is None:
+        because = f"{MISSING_BECAUSE[name]} " if name in MISSING_BECAUSE else ""
         command = EXPECTED.get(name, name)
-        return f"## {name}: not measured\n\nRun `{command}` to produce `benchmarks/results/{name}.json`.\n"
+        return f"## {name}: not measured\n\n{because}Run `{command}` to produce `benchmarks/results/{name}.json`.\n"
     report, machine = result["report"], result.get("machine", {})
     lines = [f"## {report['title']}", "", report["question"], ""]
     dirty = " (with uncommitted changes)" if machine.get("git_dirty") else ""
     lines.append(
-        f"Command: `{result['command']}`; commit `{machine.get('git_commit', '?')}`{dirty}; machine: "
+        f"Command: `{result['command'].strip()}`; commit `{machine.get('git_commit', '?')}`{dirty}; machine: "
         f"{machine.get('cpu_count', '?')} x {machine.get('cpu_model', '?')}, {machine.get('memory_gib', '?')} GiB, "
         f"torch {machine.get('torch', '?')}, lightning {machine.get('lightning', '?')}; {machine.get('time', '?')}."
     )

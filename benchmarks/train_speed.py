@@ -187,11 +187,12 @@ def summarise(runs: list[dict[str, Any]], devices: int) -> dict[str, Any]:
         c: median([s for run in runs if run["config"] == c for s in slowest_rank_steps(run["ranks"])]) for c in configs
     }
     rss = {c: max(r["peak_rss_bytes"] for run in runs if run["config"] == c for r in run["ranks"]) for c in configs}
-    rows = []
+    rows, state_ratio = [], {}
     for config in configs:
         last = [run for run in runs if run["config"] == config][-1]["ranks"]
         limit = 16 * last[0]["num_params"] / devices
         state = max(sum(r["model_state"].values()) for r in last)
+        state_ratio[config] = state / limit
         rows.append(
             [
                 config,
@@ -201,7 +202,7 @@ def summarise(runs: list[dict[str, Any]], devices: int) -> dict[str, Any]:
                 f"{steps['anchor'] / steps[config]:.2f}x" if "anchor" in steps else "-",
                 f"{rss[config] / 2**20:.0f}",
                 f"{rss[config] / rss['ddp']:.3f}" if "ddp" in rss else "-",
-                f"{state / limit:.3f}",
+                f"{state_ratio[config]:.3f}",
                 f"{last[0]['losses'][-1]:.4f}",
             ]
         )
@@ -217,6 +218,7 @@ def summarise(runs: list[dict[str, Any]], devices: int) -> dict[str, Any]:
             ]
             if config != "ddp" and len(per_round) > 1:
                 notes.append(f"`{config}` per round, speed vs DDP: " + ", ".join(f"{r:.2f}x" for r in per_round))
+    notes += _targets(steps, rss, state_ratio)
     return {
         "title": "Training speed and memory: 2 CPU ranks",
         "question": "How fast does the default path train against Lightning's DDP and a hand-sharded "
@@ -235,6 +237,25 @@ def summarise(runs: list[dict[str, Any]], devices: int) -> dict[str, Any]:
         "rows": rows,
         "notes": notes,
     }
+
+
+def _targets(steps: dict[str, float], rss: dict[str, int], state_ratio: dict[str, float]) -> list[str]:
+    """The product-shape issue's targets, each said to be met or not, with its figure."""
+    checks = []
+    if {"fs", "anchor"} <= steps.keys():
+        ratio = steps["anchor"] / steps["fs"]
+        checks.append(("default FULL_SHARD >= 0.97x the hand-sharded anchor", ratio >= 0.97, f"{ratio:.2f}x"))
+    if {"fs", "ddp"} <= rss.keys():
+        ratio = rss["fs"] / rss["ddp"]
+        checks.append(("default FULL_SHARD peak RSS per rank below DDP's", ratio < 1, f"{ratio:.3f}x DDP's"))
+    if {"fs_shm", "ddp"} <= steps.keys():
+        ratio = steps["ddp"] / steps["fs_shm"]
+        checks.append(('`cpu_collectives="shared_memory"` FULL_SHARD >= 0.95x DDP', ratio >= 0.95, f"{ratio:.3f}x"))
+    sharded = [state_ratio[c] for c in ("fs", "fs_shm", "sgo") if c in state_ratio]
+    if sharded:
+        worst = max(sharded, key=lambda r: abs(r - 1))
+        checks.append(("model state per rank within 5% of 16 B x params / N", abs(worst - 1) <= 0.05, f"{worst:.3f}"))
+    return [f"Target: {what}: **{'met' if met else 'not met'}** ({figure})." for what, met, figure in checks]
 
 
 def _pairs(runs: list[dict[str, Any]], base: str, config: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
