@@ -367,8 +367,9 @@ def main() -> None:
         f"{largest_tensor_mib:.0f} MiB (embedding, lm_head).",
         "Peak RSS over start: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs when the work "
         "begins) minus its RSS at that moment: what loading or exporting added at its worst, including the file "
-        "pages it maps (transformers' from_pretrained, the export and torch.load(mmap=True) read through mmap, the sharded loader with plain reads; clean page cache the kernel can "
-        "drop). Anonymous: the same for RssAnon, sampled every millisecond by a thread (can miss shorter peaks).",
+        "pages it maps (transformers' from_pretrained, the export and torch.load(mmap=True) read through mmap, the "
+        "sharded loader with plain reads; clean page cache the kernel can drop). Anonymous: the same for RssAnon, "
+        "sampled every millisecond by a thread (can miss shorter peaks).",
         "Goal: (this rank's shard, or the export's largest output file, + the largest tensor) x 1.2.",
         "rank 0 loads all: Accelerate's cpu_ram_efficient_loading done with torch's set_model_state_dict("
         "broadcast_from_rank0=True) after fully_shard on meta. transformers' from_pretrained hands back tensors "
