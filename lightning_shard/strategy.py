@@ -48,7 +48,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingConfig, StateDictType
+from lightning_shard.config import (
+    CpuCollectives,
+    GradientAccumulation,
+    ShardingConfig,
+    ShardingStrategyName,
+    StateDictType,
+)
 from lightning_shard.devices import place_unmanaged_state, process_group_backend_for
 from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
@@ -129,7 +135,8 @@ class ShardedStrategy(ParallelStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
-        sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"] = "FULL_SHARD",
+        # `| str`: LightningCLI (jsonargparse) checks a Literal before the FSDP1 translation sees "full_shard".
+        sharding_strategy: ShardingStrategyName | str = "FULL_SHARD",
         auto_wrap_policy: WrapPolicy = "auto",
         activation_checkpointing: WrapPolicy = None,
         reshard_after_forward: bool | int | None = None,

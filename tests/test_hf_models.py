@@ -323,3 +323,13 @@ def test_the_slice_reader_reads_rows_by_file_reads_and_converts_dtypes(tmp_path:
     dcp.load(targets, storage_reader=_slice_reader_class(HuggingFaceStorageReader)(str(tmp_path)))
     for name, tensor in saved.items():
         assert torch.equal(targets[name], tensor.float()), name
+
+
+def test_lightning_cli_yaml_takes_fsdp1_spellings_of_the_sharding_strategy() -> None:
+    # LightningCLI builds the strategy through jsonargparse, which checks the argument's type before our translation
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ShardedStrategy, "strategy")
+    config = parser.parse_object({"strategy": {"sharding_strategy": "full_shard"}})
+    assert parser.instantiate_classes(config).strategy.config.sharding_strategy == "FULL_SHARD"
