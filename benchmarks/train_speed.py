@@ -49,8 +49,13 @@ DESCRIPTIONS = {
     "fs_trim": "FULL_SHARD + heap trim every 5 steps (diagnostic)",
 }
 CONFIGS = list(DESCRIPTIONS)
-SHARDED = {"fs": ("FULL_SHARD", "gloo"), "fs_trim": ("FULL_SHARD", "gloo"), "sgo": ("SHARD_GRAD_OP", "gloo")}
-SHARDED["fs_shm"] = ("FULL_SHARD", "shared_memory")
+# config -> (sharding_strategy, cpu_collectives)
+SHARDED = {
+    "fs": ("FULL_SHARD", "gloo"),
+    "fs_shm": ("FULL_SHARD", "shared_memory"),
+    "sgo": ("SHARD_GRAD_OP", "gloo"),
+    "fs_trim": ("FULL_SHARD", "gloo"),
+}
 
 
 # ---------------------------------------------------------------------------------------------------- worker side

@@ -1,12 +1,12 @@
 """``estimate_memory(..., mode="simulate")``: train the sharded model for two optimizer steps under fake tensors.
 
 No real storage is ever allocated, whatever the model's size: the model is built on the meta device (as the
-strategy's ``tensor_init_context`` does), then checkpointed, sharded and materialised by the strategy's own
-:func:`~lightning_shard.parallelize.parallelize_module` inside ``FakeTensorMode``, so every parameter, gradient,
-optimizer state, activation and input is a fake tensor (shape, dtype and device; no data). The process group is
-torch's fake one of the requested size; ``FSDPMemTracker`` records the bytes one rank would hold, by category, at
-the peak. The 13B GPT on 8 ranks simulates in 82 s on 2 shared CPU cores with 0.38 GiB of peak RSS (README,
-"Memory").
+strategy's ``model_sharded_context`` does for ``configure_model()``), then checkpointed, sharded and materialised by
+the strategy's own :func:`~lightning_shard.parallelize.parallelize_module` inside ``FakeTensorMode``, so every
+parameter, gradient, optimizer state, activation and input is a fake tensor (shape, dtype and device; no data). The
+process group is torch's fake one of the requested size; ``FSDPMemTracker`` records the bytes one rank would hold,
+by category, at the peak. The 13B GPT on 8 ranks simulates in 82 s on 2 shared CPU cores with 0.38 GiB of peak RSS
+(README, "Memory").
 
 The steps follow Lightning's order. The first optimizer step runs one micro-batch, to create the optimizer states;
 the second runs ``min(accumulate_grad_batches, 2)`` (a third would hold what the second does). Each first
@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
 from lightning_shard.config import ShardingConfig
+from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.accounting import unsharded_gradients
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.process_memory import host_memory
@@ -105,8 +106,9 @@ def _simulate_in_this_process(
         shape = sharding.mesh_shape(config["world_size"], config["world_size"] // config["num_nodes"])
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
         precision = ShardedPrecision(config["precision"])
-        # As the strategy: build on the meta device in the stored dtype, convert "-true" precisions.
-        with torch.device("meta"), precision.tensor_init_context():
+        # As the strategy's `model_sharded_context`: build on the meta device in the stored dtype, convert "-true"
+        # precisions.
+        with meta_construction(), precision.tensor_init_context():
             model = precision.convert_module(model_fn())
         n_params = count_parameters(model)[0]
         # The meta parameters are inputs to the ops fully_shard runs on them; materialisation then allocates fake
