@@ -33,11 +33,9 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    _gc_context,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -45,7 +43,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -54,6 +51,7 @@ from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
+from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
@@ -224,7 +222,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
         # the garbage collector, unpickling the metadata and plans does not set off a sweep of the whole heap (as in
         # torch's own state-dict functions).
-        with torch.no_grad(), _gc_context():
+        with torch.no_grad(), gc_paused():
             if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
                 return self._load_sharded(path, model, optimizers, strict)
             return self._load_full(path, model, optimizers, strict)
@@ -349,7 +347,7 @@ def read_sharded_keys(path: _PATH, keys: set[str] | None = None) -> dict[str, An
     with warnings.catch_warnings():
         # Reading into one process without a process group is the point here, not an accident.
         warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
-        return _load_state_dict_from_keys(keys=keys, checkpoint_id=str(path))
+        return load_state_dict_from_keys(keys, str(path))
 
 
 def _holds_shards(checkpoint: dict[str, Any]) -> bool:

@@ -30,7 +30,7 @@ import multiprocessing
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,7 @@ from lightning_shard.memory.process_memory import host_memory
 from lightning_shard.memory.units import count_parameters
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision
-
-if TYPE_CHECKING:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from lightning_shard.torch_compat import memory_simulation_tools
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field. "Unsharded Grad" is a
 # unit's whole gradient before its reduce-scatter - a per-unit transient - unless accumulation is unsharded, where
@@ -90,12 +88,10 @@ def _simulate_in_this_process(
     model_fn: Callable[[], nn.Module], input_fn: Callable[[], Any], config: dict[str, Any]
 ) -> tuple[int, dict[str, int], dict[str, float]]:
     # Imported here, in the simulating subprocess only: the tracker's imports take seconds.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tools = memory_simulation_tools()
 
     start = time.perf_counter()
-    dist.init_process_group("fake", rank=0, world_size=config["world_size"], store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=config["world_size"], store=tools["FakeStore"]())
     try:
         sharding = ShardingConfig(
             sharding_strategy=config["sharding_strategy"],
@@ -113,12 +109,12 @@ def _simulate_in_this_process(
         n_params = count_parameters(model)[0]
         # The meta parameters are inputs to the ops fully_shard runs on them; materialisation then allocates fake
         # CPU tensors in their place.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with tools["FakeTensorMode"](allow_non_fake_inputs=True):
             policies = {"mp_policy": precision.mp_policy, "offload_policy": OffloadPolicy()}
             parallelize_module(model, mesh, sharding, **policies, device=torch.device("cpu"))
             optimizer = _make_optimizer(config["optimizer"], model.parameters())
             inputs = input_fn()
-            tracker = FSDPMemTracker(model, optimizer)
+            tracker = tools["FSDPMemTracker"](model, optimizer)
             tracker.track_inputs((inputs,))
             skip_sync = sharding.gradient_accumulation == "unsharded"
             micro_batches = min(config["accumulate_grad_batches"], 2)
@@ -130,7 +126,7 @@ def _simulate_in_this_process(
         by_name = {getattr(key, "value", key): value for key, value in peak.items()}
         breakdown = {field: sum(by_name.get(c, 0) for c in cats) for field, cats in _CATEGORIES.items()}
         held = "accumulated_grads" if skip_sync and micro_batches > 1 else "gathered_peak"
-        breakdown[held] += by_name.get(_FSDPRefType.UNSHARDED_GRAD.value, 0)
+        breakdown[held] += by_name.get(tools["UNSHARDED_GRAD"].value, 0)
         simulation = {"wall_seconds": time.perf_counter() - start, "peak_rss_bytes": host_memory()["peak_rss_bytes"]}
         return n_params, breakdown, simulation
     finally:
@@ -141,14 +137,13 @@ def _optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: Any,
-    tracker: "FSDPMemTracker",
+    tracker: Any,
     *,
     micro_batches: int,
     skip_sync: bool,
 ) -> None:
     """One optimizer step over ``micro_batches``, in Lightning's order (see the module docstring)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
+    tools = memory_simulation_tools()
     for micro_batch in range(micro_batches):
         # Per-module stats are per iteration (the tracker refuses a second call of the root); the global peak it
         # keeps is what is read.
@@ -162,5 +157,5 @@ def _optimizer_step(
         if not final:
             for grad in unsharded_gradients(model):
                 # FSDP2 upcasts them in its post-backward hook, which the tracker counts as "Temp".
-                tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+                tools["tag"](tracker, grad, tools["UNSHARDED_GRAD"])
     optimizer.step()
