@@ -151,14 +151,18 @@ class ShardedPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        # Unscale before the clipping hook so `gradient_clip_val` sees true gradients.
-        self.scaler.unscale_(optimizer)
+        # A `training_step` that returned None skipped backward: nothing to unscale or step. Unscaling anyway would
+        # leave the scaler waiting for an `update()` that never comes, and the next step's unscale would raise.
+        skipped = closure_result is None and model.automatic_optimization
+        if not skipped:
+            # Unscale before the clipping hook so `gradient_clip_val` sees true gradients.
+            self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
-        if not model.automatic_optimization or closure_result is not None:
-            step_output = self.scaler.step(optimizer, **kwargs)
-            self.scaler.update()
-            return step_output
-        return closure_result
+        if skipped:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -55,7 +55,8 @@ from lightning_shard.config import (
     ShardingStrategyName,
     StateDictType,
 )
-from lightning_shard.devices import place_unmanaged_state, process_group_backend_for
+from lightning_shard.devices import collective_device, place_unmanaged_state, process_group_backend_for
+from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.materialize import meta_construction
@@ -95,7 +96,7 @@ class ShardedStrategy(ParallelStrategy):
             in CPU memory (CUDA only; on a CPU accelerator it changes nothing).
         hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
         reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
-        state_dict_type: ``"sharded"`` (a torch.distributed.checkpoint directory) or ``"full"`` (one file).
+        state_dict_type: ``"sharded"`` (default: a torch.distributed.checkpoint directory) or ``"full"`` (one file).
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
@@ -144,7 +145,7 @@ class ShardedStrategy(ParallelStrategy):
         cpu_offload: bool | CPUOffloadPolicy = False,
         hybrid_shard_size: int | None = None,
         reduce_dtype: torch.dtype | None = None,
-        state_dict_type: StateDictType = "sharded",
+        state_dict_type: StateDictType | None = None,
         async_save: bool = False,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
@@ -449,6 +450,8 @@ class ShardedStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # A call made between backward and the step (a callback) left gathered copies of the old values.
+        drop_gathered_parameters(self.model)
         if self._heap_trimmer is not None and self.root_device.type == "cpu":
             # The step's transient buffers are free now; without a trim now and then the CPU heap's peak creeps up.
             self._heap_trimmer.step()
@@ -474,7 +477,7 @@ class ShardedStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if collective_device(dist.get_backend()).type == "cuda":  # "nccl" or "cuda:nccl,cpu:gloo"
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()
@@ -524,13 +527,15 @@ class ShardedStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
-        return self.checkpoint_io.load_into(
+        checkpoint = self.checkpoint_io.load_into(
             path,
             self.model,
             [opt._optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers],
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

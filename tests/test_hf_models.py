@@ -10,7 +10,6 @@ FSDP1 arguments, ``init_module``, transformers' ``from_pretrained`` on the meta 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import subprocess
 import sys
@@ -24,18 +23,9 @@ from conftest import REPO, run_script
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import nn
 from torch.distributed.fsdp import (
-    CPUOffload,
     FSDPModule,
-    MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    ShardingStrategy,
-)
-from torch.distributed.fsdp.wrap import (
-    ModuleWrapPolicy,
-    lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -168,81 +158,6 @@ def test_forward_after_fit_matches_one_process(results: dict[str, Path], scenari
 # ---------------------------------------------------------------------------------------------- no processes
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "expected"),
-    [
-        ({"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}, {"sharding_strategy": "SHARD_GRAD_OP"}),
-        ({"sharding_strategy": "full_shard"}, {"sharding_strategy": "FULL_SHARD"}),
-        (
-            {"sharding_strategy": ShardingStrategy._HYBRID_SHARD_ZERO2},
-            {"sharding_strategy": "HYBRID_SHARD", "reshard_after_forward": False},
-        ),
-        ({"cpu_offload": CPUOffload(offload_params=True)}, {"cpu_offload": True}),
-        ({"cpu_offload": CPUOffload(offload_params=False)}, {"cpu_offload": False}),
-        ({"auto_wrap_policy": ModuleWrapPolicy({nn.Linear})}, {"auto_wrap_policy": {nn.Linear}}),
-        (
-            {"auto_wrap_policy": functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})},
-            {"auto_wrap_policy": {nn.Linear}},
-        ),
-        ({"activation_checkpointing_policy": {nn.Linear}}, {"activation_checkpointing": {nn.Linear}}),
-        (
-            {"activation_checkpointing_policy": ModuleWrapPolicy({nn.Linear})},
-            {"activation_checkpointing": {nn.Linear}},
-        ),
-        ({"save_distributed_checkpoint": False}, {"state_dict_type": "full"}),
-        ({"sharding_strategy": "hybrid_shard", "device_mesh": (2, 4)}, {"hybrid_shard_size": 4}),
-        ({"state_dict_type": "full"}, {"state_dict_type": "full"}),
-    ],
-)
-def test_fsdp1_arguments_are_translated(kwargs: dict[str, Any], expected: dict[str, Any]) -> None:
-    config = ShardedStrategy(**kwargs).config
-    for field, value in expected.items():
-        assert getattr(config, field) == value, field
-
-
-def test_lambda_policy_is_translated_to_its_function() -> None:
-    def is_linear(module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear)
-
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_linear)
-    assert ShardedStrategy(auto_wrap_policy=policy).config.auto_wrap_policy is is_linear
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, ValueError, r"Trainer\(precision="),
-        ({"use_orig_params": True}, ValueError, "always keeps the original parameters .*drop it"),
-        ({"limit_all_gathers": True}, ValueError, "drop it"),
-        ({"sync_module_states": True}, ValueError, "broadcast from rank 0"),
-        ({"param_init_fn": lambda m: None}, ValueError, "reset_parameters"),
-        ({"tensor_parallel_size": 2}, ValueError, "tensor parallelism is not supported"),
-        (
-            {"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=1000)},
-            ValueError,
-            "auto_wrap_policy=1000",
-        ),
-        ({"auto_wrap_policy": lambda module, recurse, nonwrapped_numel: True}, TypeError, "FSDP1 policy"),
-        (
-            {"activation_checkpointing": {nn.Linear}, "activation_checkpointing_policy": {nn.Linear}},
-            ValueError,
-            "not both",
-        ),
-        ({"device_mesh": "2x4"}, TypeError, "hybrid_shard_size"),
-        ({"sharding_strategy": "quarter_shard"}, ValueError, "quarter_shard"),
-        ({"no_such_argument": 1}, TypeError, r"unexpected keyword argument 'no_such_argument'.*'sharding_strategy'"),
-    ],
-)
-def test_fsdp1_arguments_without_fsdp2_meaning_are_refused(kwargs: dict[str, Any], error: type, match: str) -> None:
-    with pytest.raises(error, match=match):
-        ShardedStrategy(**kwargs)
-
-
-def test_fsdp1_policy_given_to_sharding_config_directly_is_refused() -> None:
-    with pytest.raises(TypeError, match="FSDP1 policy"):
-        ShardingConfig(auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
-
-
 def test_init_module_follows_lightnings_convention() -> None:
     trainer = L.Trainer(strategy=ShardedStrategy(), accelerator="cpu", devices=2, logger=False)
     # Lightning warns for every strategy with a `model_sharded_context`
@@ -323,13 +238,3 @@ def test_the_slice_reader_reads_rows_by_file_reads_and_converts_dtypes(tmp_path:
     dcp.load(targets, storage_reader=_slice_reader_class(HuggingFaceStorageReader)(str(tmp_path)))
     for name, tensor in saved.items():
         assert torch.equal(targets[name], tensor.float()), name
-
-
-def test_lightning_cli_yaml_takes_fsdp1_spellings_of_the_sharding_strategy() -> None:
-    # LightningCLI builds the strategy through jsonargparse, which checks the argument's type before our translation
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser()
-    parser.add_class_arguments(ShardedStrategy, "strategy")
-    config = parser.parse_object({"strategy": {"sharding_strategy": "full_shard"}})
-    assert parser.instantiate_classes(config).strategy.config.sharding_strategy == "FULL_SHARD"
