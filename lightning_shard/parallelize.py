@@ -27,6 +27,7 @@ from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
 from lightning_shard.torch_compat import (
+    CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
     CheckpointWrapper,
     apply_activation_checkpointing,
@@ -135,7 +136,7 @@ def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) 
         check_fn=lambda module: id(module) in selected,
     )
     return {
-        id(wrapper._checkpoint_wrapped_module): wrapper
+        id(getattr(wrapper, CHECKPOINT_WRAPPED_MODULE)): wrapper
         for wrapper in model.modules()
         if isinstance(wrapper, CheckpointWrapper)
     }
