@@ -61,10 +61,10 @@ DECODER = dict(
 )
 
 
-def llama_config(layers: int = 2) -> Any:
+def llama_config(**overrides: Any) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**DECODER, "num_hidden_layers": layers}, intermediate_size=128)
+    return LlamaConfig(**{**DECODER, "intermediate_size": 128, **overrides})
 
 
 def gpt2_config() -> Any:
@@ -93,18 +93,18 @@ def mixtral_config() -> Any:
 
 @functools.cache
 def fused_qkv_llama() -> type:
-    """A Llama whose checkpoints hold each layer's q, k and v projections as one ``qkv_proj`` tensor: a conversion
-    registered with transformers' ``register_checkpoint_conversion_mapping``, whose ``Split`` (by the model's q / k /
-    v sizes) needs the whole fused tensor before a rank can take its rows."""
+    """A Llama whose checkpoints hold each layer's q, k and v projections as one ``qkv_proj`` tensor (as gte's or
+    nomic-bert's do): a conversion registered with transformers' ``register_checkpoint_conversion_mapping``, whose
+    ``Chunk`` needs the whole fused tensor before a rank can take its rows of q, k and v."""
     from transformers import LlamaForCausalLM
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-    from transformers.core_model_loading import Split, WeightConverter
+    from transformers.core_model_loading import Chunk, WeightConverter
 
     class FusedQKVLlama(LlamaForCausalLM):
         pass
 
     targets = [f"self_attn.{name}_proj.weight" for name in "qkv"]
-    fuse = WeightConverter("self_attn.qkv_proj.weight", targets, operations=[Split(dim=0)])
+    fuse = WeightConverter("self_attn.qkv_proj.weight", targets, operations=[Chunk(dim=0)])
     register_checkpoint_conversion_mapping("FusedQKVLlama", [fuse], overwrite=True)
     return FusedQKVLlama
 
@@ -121,7 +121,7 @@ def write_checkpoints(root: Path) -> None:
     llama.save_pretrained(root / "llama")
     llama.to(torch.bfloat16).save_pretrained(root / "llama-bf16")
     AutoModelForCausalLM.from_config(mixtral_config()).save_pretrained(root / "mixtral")
-    fused_qkv_llama()(llama_config()).save_pretrained(root / "llama-fused-qkv")
+    fused_qkv_llama()(llama_config(num_key_value_heads=4)).save_pretrained(root / "llama-fused-qkv")  # equal chunks
 
 
 def litgpt_config() -> Any:

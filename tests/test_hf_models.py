@@ -395,7 +395,7 @@ def test_new_head_gets_transformers_init_with_a_warning(pretrained_dir: Path) ->
 def test_mixed_precision_keeps_fp32_parameters_of_a_model_built_in_bf16() -> None:
     from lightning_shard.precision import ShardedPrecision
 
-    config = llama_config(layers=1)
+    config = llama_config(num_hidden_layers=1)
     config.tie_word_embeddings = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # eagerly, as in `__init__`
     inv_freq = model.model.rotary_emb.inv_freq.clone()
@@ -410,7 +410,7 @@ def test_mixed_precision_keeps_fp32_parameters_of_a_model_built_in_bf16() -> Non
 def test_auto_policy_reads_no_split_modules() -> None:
     # one decoder layer: no block repeats, so only `_no_split_modules` names it
     with meta_construction():
-        model = AutoModelForCausalLM.from_config(llama_config(layers=1))
+        model = AutoModelForCausalLM.from_config(llama_config(num_hidden_layers=1))
     assert [type(m).__name__ for m in select_modules(model, "auto")] == ["LlamaDecoderLayer"]
     with meta_construction():
         model = AutoModelForCausalLM.from_config(gpt2_config())

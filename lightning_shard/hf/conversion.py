@@ -113,7 +113,7 @@ def load_converted(model: nn.Module, plan: LoadPlan) -> list[torch.Tensor]:
     A conversion that stacks per-expert tensors along dim 0 (``MergeModulelist(dim=0)``, then ops on other dims:
     every MoE family's) reads only the experts in this rank's rows, through transformers' ``DtensorShardOperation``
     (as transformers' own sharded loading does): a rank holds about three times its part of one fused tensor (the
-    experts read, stacked, concatenated; measured 137 MiB for a 44 MiB part). Any other conversion (a ``Split`` of a
+    experts read, stacked, concatenated; measured 137 MiB for a 44 MiB part). Any other conversion (a ``Chunk`` of a
     fused qkv, a ``Transpose``) needs its whole sources: it reads them, converts, and keeps this rank's rows, one
     converted tensor at a time.
     """
