@@ -359,7 +359,7 @@ def _rewrite_checkpoint(source: Path, target: Path, rename: Callable[[str], str]
             "mixtral",
             lambda name: name.replace(".block_sparse_moe.", ".sparse_moe."),
             {},
-            r"does not fill 6 tensors of MixtralForCausalLM's pretrained body: \['model.layers.0.mlp.experts.down_proj'"
+            r"does not fill 6 tensors of MixtralForCausalLM: \['model.layers.0.mlp.experts.down_proj'"
             r".*holds 26 tensors the model does not use: \['model.layers.0.sparse_moe.experts.0.w1.weight'",
         ),
         # a tensor missing from the files
@@ -369,6 +369,8 @@ def _rewrite_checkpoint(source: Path, target: Path, rename: Callable[[str], str]
             {},
             "layers.1.mlp.up_proj",
         ),
+        # the head under a name transformers does not convert: an unused tensor of the unfilled head's shape
+        ("llama", lambda name: name.replace("lm_head", "output"), {}, r"lm_head.weight'\].*\['output.weight'\]"),
         # a config that is not the checkpoint's
         ("llama", lambda name: name, {"intermediate_size": 96}, r"do not have the shapes.*\[128, 64\] -> model"),
     ],
@@ -390,6 +392,21 @@ def test_new_head_gets_transformers_init_with_a_warning(pretrained_dir: Path) ->
     messages = "\n".join(str(warning.message) for warning in warned)
     assert "holds no ['score.weight']: they get LlamaForSequenceClassification's initialisation" in messages
     assert "does not use; not loaded: ['lm_head.weight']" in messages
+
+
+def test_tied_checkpoint_fills_the_tied_head(tmp_path: Path) -> None:
+    # save_pretrained writes a tied weight once (the embedding); the head is the same tensor, not missing
+    import warnings
+
+    from lightning_shard.hf.pretrained import _PRETRAINED
+
+    AutoModelForCausalLM.from_config(llama_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as warned, meta_construction():
+        warnings.simplefilter("always")
+        model = lightning_shard.hf.from_pretrained(AutoModelForCausalLM, tmp_path)
+    assert not [warning for warning in warned if "lm_head" in str(warning.message)]
+    assert "lm_head.weight" not in model.__dict__[_PRETRAINED].renamed.values()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_mixed_precision_keeps_fp32_parameters_of_a_model_built_in_bf16() -> None:

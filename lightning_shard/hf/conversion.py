@@ -61,13 +61,13 @@ def plan_load(model: nn.Module, path: str, stored: dict[str, StoredTensor]) -> L
     transformers' ``from_pretrained`` matches them, and check the match before anything is read.
 
     What the files do not fill is left to transformers' init only outside the model's body (a new head, as
-    transformers initialises it, with a warning); tensors transformers expects to be absent
-    (``_keys_to_ignore_on_load_missing``) and tied weights are not missing. File tensors the model does not use are
-    warned about when the body is complete (a head the model does not have).
+    transformers initialises it, with a warning), and only when no unused file tensor has its shape; tensors
+    transformers expects to be absent (``_keys_to_ignore_on_load_missing``) and tied weights are not missing. File
+    tensors the model does not use (a head the model does not have) are named in a warning.
 
     Raises:
-        ValueError: naming the body's tensors the files do not fill (and the file tensors left unused: names that
-            needed a conversion transformers does not know), tensors whose shapes differ, or a conversion that fails.
+        ValueError: naming the tensors the files do not fill (and the file tensors left unused: names that needed a
+            conversion transformers does not know), tensors whose shapes differ, or a conversion that fails.
 
     Example:
         >>> plan = plan_load(meta_model, "checkpoints/mixtral", stored)  # doctest: +SKIP
@@ -102,7 +102,7 @@ def plan_load(model: nn.Module, path: str, stored: dict[str, StoredTensor]) -> L
     # transformers' own exceptions: `_keys_to_ignore_on_load_missing` / `_unexpected`, old `inv_freq` buffers, ...
     report = SimpleNamespace(missing_keys=missing, unexpected_keys=set(unused))
     model._adjust_missing_and_unexpected_keys(report)
-    _refuse_unfilled_body(model, path, sorted(report.missing_keys), sorted(report.unexpected_keys))
+    _refuse_unfilled(model, plan, tensors, sorted(report.missing_keys), sorted(report.unexpected_keys))
     return plan
 
 
@@ -199,25 +199,31 @@ def _check_shapes(model: nn.Module, plan: LoadPlan, tensors: dict[str, torch.Ten
     return filled
 
 
-def _refuse_unfilled_body(model: nn.Module, path: str, missing: list[str], unused: list[str]) -> None:
-    """Raise if the files leave tensors of the model's body (``base_model_prefix``) unfilled; warn about a new head
-    and about file tensors nothing uses."""
+def _refuse_unfilled(
+    model: nn.Module, plan: LoadPlan, tensors: dict[str, torch.Tensor], missing: list[str], unused: list[str]
+) -> None:
+    """Raise if the files leave tensors of the model's body (``base_model_prefix``) unfilled, or a head tensor while
+    an unused file tensor has its shape (its name not converted); warn about a new head and unused file tensors."""
     name = type(model).__name__
     has_head = getattr(model, "base_model", model) is not model
     body = [key for key in missing if not has_head or key.startswith(f"{model.base_model_prefix}.")]
-    if body:
+    head = [key for key in missing if key not in body]
+    shapes = {tuple(tensors[key].shape) for key in head}
+    unfilled = body + [key for key in head if any(tuple(plan.stored[k].shape) in shapes for k in unused)]
+    if unfilled:
         also = f" and holds {len(unused)} tensors the model does not use: {_shown(unused)}" if unused else ""
         raise ValueError(
-            f"{path} does not fill {len(body)} tensors of {name}'s pretrained body: {_shown(body)}{also}. Training "
-            "would start them from random values. If the checkpoint spells them differently (a layout that this "
+            f"{plan.path} does not fill {len(unfilled)} tensors of {name}: {_shown(unfilled)}{also}. Training would "
+            "start them from random values. If the checkpoint spells them differently (a layout that this "
             "transformers version does not convert on load, or another model class), build the model in `__init__` "
             "with transformers' `from_pretrained` (every rank loads the whole model, then it is sharded)."
         )
-    head = [key for key in missing if key not in body]
     if head:
-        rank_zero_warn(f"{path} holds no {head}: they get {name}'s initialisation (a new head, as in transformers).")
+        rank_zero_warn(
+            f"{plan.path} holds no {head}: they get {name}'s initialisation (a new head, as in transformers)."
+        )
     if unused:
-        rank_zero_warn(f"{path} holds tensors {name} does not use; not loaded: {_shown(unused)}")
+        rank_zero_warn(f"{plan.path} holds tensors {name} does not use; not loaded: {_shown(unused)}")
 
 
 def _shown(names: list[str]) -> str:

@@ -108,10 +108,10 @@ def load_pretrained_shards(model: nn.Module) -> bool:
     import torch.distributed.checkpoint as dcp
 
     tensors = model.state_dict(keep_vars=True)
-    targets: dict[str, torch.Tensor] = {}
+    first_key: dict[int, str] = {}  # a weight stored under two tied names is read once
     for key, name in plan.renamed.items():
-        if all(tensors[name] is not target for target in targets.values()):  # a tied weight stored twice: once
-            targets[key] = tensors[name]
+        first_key.setdefault(id(tensors[name]), key)
+    targets = {key: tensors[plan.renamed[key]] for key in first_key.values()}
     if targets:
         dcp.load(targets, storage_reader=_reader(plan.path))
     for tensor in [*targets.values(), *load_converted(model, plan)]:
