@@ -28,7 +28,7 @@ from lightning_shard.hf.conversion import LoadPlan, load_converted, plan_load
 from lightning_shard.hf.safetensors_files import slice_reader_class, stored_tensors
 
 # Set on a model built by `from_pretrained` on the meta device: the `LoadPlan` of its weights.
-_PRETRAINED = "_lightning_shard_pretrained_path"
+_PRETRAINED = "_lightning_shard_pretrained_plan"
 
 # from_pretrained arguments about loading or placement that the shard-by-shard path does its own way.
 _REFUSED = {
