@@ -114,8 +114,25 @@ class ShardedPrecision(Precision):
 
     @override
     def convert_module(self, module: Module) -> Module:
+        """Bring ``module`` to the stored dtype of the table above before it is sharded.
+
+        '-true': the whole module in the precision's dtype (Lightning's FSDP plugin does the same). '-mixed': the
+        floating-point parameters in fp32 whatever dtype the model was built in (a Hub config's ``torch_dtype:
+        bfloat16``), since the sharded parameters are the optimizer's master weights (its states follow them); a
+        bf16 checkpoint is then upcast as each rank reads its slices. Buffers stay as built: FSDP2 casts only
+        parameters, and computed buffers (rotary ``inv_freq``) keep the dtype their model computes them in.
+
+        Example:
+            >>> layer = ShardedPrecision("bf16-mixed").convert_module(torch.nn.Linear(2, 2, dtype=torch.bfloat16))
+            >>> layer.weight.dtype
+            torch.float32
+        """
         if self.precision.endswith("-true"):
             return module.to(dtype=self._compute_dtype)
+        with torch.no_grad():
+            for param in module.parameters():  # each shared (tied) parameter once, and it stays shared
+                if param.is_floating_point() and param.dtype != self.param_dtype:
+                    param.data = param.data.to(self.param_dtype)
         return module
 
     @override
