@@ -172,7 +172,7 @@ def export_hf(
         if plan.is_sharded:
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _copy_config_files(config_dir, staging, config, _config_dtype(target, planned.values()))
+        _copy_config_files(config_dir, staging, _config_dtype(target, planned.values()))
         _replace(staging, out_dir)
     finally:
         if staging.exists():
@@ -363,7 +363,9 @@ def _target_dtype(dtype: str | torch.dtype, config: Any) -> torch.dtype | None:
     if dtype == "checkpoint":
         return None
     if dtype == "config":
-        return config.dtype  # None when config.json names none
+        dtype = config.dtype  # None when config.json names none
+        if dtype is None:
+            return None
     target = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(target, torch.dtype) or not target.is_floating_point:
         raise ValueError(f"dtype={dtype!r}: use 'config', 'checkpoint' or a floating-point dtype such as 'bfloat16'.")
@@ -385,13 +387,14 @@ def _config_dtype(target: torch.dtype | None, tensors: Iterable[torch.Tensor]) -
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def _copy_config_files(config_dir: Path, out_dir: Path, config: Any, dtype: torch.dtype | None) -> None:
+def _copy_config_files(config_dir: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
     """The config, generation config and tokenizer files of ``config_dir``; ``config.json`` rewritten by transformers
     (as ``save_pretrained`` writes it) when it does not name ``dtype``."""
     for name in CONFIG_FILES + TOKENIZER_FILES:
         if (config_dir / name).is_file():
             shutil.copy2(config_dir / name, out_dir / name)
-    if dtype is not None and config.dtype != dtype:
+    config = _load_config(config_dir)  # as the file says, not as building a model left it
+    if dtype is not None and _target_dtype("config", config) != dtype:
         config.dtype = dtype
         config.save_pretrained(out_dir)
 
