@@ -32,8 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, random_token_dataset, write_json  # noqa: E402
-from benchmarks.hf_loading import PeakRSS, _status_mib  # noqa: E402
+from benchmarks.common import RESULTS, PeakRSS, machine, random_token_dataset, status_mib, write_json  # noqa: E402
 
 LLAMA = dict(
     vocab_size=256,
@@ -90,7 +89,7 @@ def _worker(args: argparse.Namespace) -> None:
         """RSS when training starts, and the peak from then on (and over the whole process before that)."""
 
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            self.process_peak_mib = _status_mib("VmHWM")["VmHWM"]
+            self.process_peak_mib = status_mib("VmHWM")["VmHWM"]
             self.peak = PeakRSS()
 
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

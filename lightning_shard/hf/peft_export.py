@@ -128,7 +128,8 @@ class PeftLayout:
         peft = _peft()
         tensors = {name: hf_model.get_parameter_or_buffer(name) for names in hf_aliases.values() for name in names}
         with torch.device("meta"):
-            model = peft.get_peft_model(hf_model, peft_config, adapter_name=ADAPTER)
+            # A copy: get_peft_model fills in fields (the base's name) of the config it is given.
+            model = peft.get_peft_model(hf_model, copy.deepcopy(peft_config), adapter_name=ADAPTER)
         named = dict(model.state_dict(keep_vars=True))
         peft_names: dict[int, list[str]] = {}
         for name, tensor in named.items():
