@@ -8,7 +8,7 @@ deadlock, and a handler that runs in the middle of the optimizer step saves half
 
 Here the handlers only note the signal. At each optimizer-step boundary every rank puts its note into a tiny
 all-reduce started without waiting and reads the result of the previous boundary's (:class:`StopVote`), so all ranks
-learn of the request at the same step, one step after the first rank saw it. Then every rank writes one checkpoint
+learn of the request at the same step, two steps after the first rank saw it. Then every rank writes one checkpoint
 of that step through the strategy's normal (atomic) save, waits for any background save still in flight, rank 0
 requeues the SLURM job if that was asked for, and the job ends with :data:`PREEMPTED_EXIT_CODE`.
 """
@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import threading
+from collections import deque
 from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -57,62 +58,71 @@ class Preempted(SIGTERMException):
 
 
 class StopVote:
-    """Whether any rank has been asked to stop, agreed by all ranks one vote after it was cast.
+    """Whether any rank has been asked to stop, agreed by all ranks ``lag`` votes after it was cast.
 
-    Every rank calls :meth:`exchange` at the same optimizer-step boundaries. It reads the outcome of the previous
-    exchange - an all-reduce (max) of two int32 per rank, started without waiting and finished long since - and starts
-    the next one with this rank's ballot. All ranks therefore see the same outcome at the same boundary, and no rank
-    ever waits for another at a boundary. The all-reduce runs on a gloo group of its own: on GPUs it costs no device
-    synchronisation, and it never queues behind FSDP's collectives.
+    Every rank calls :meth:`exchange` at the same optimizer-step boundaries. It starts an all-reduce (max) of this
+    rank's ballot - two int32 - without waiting, and returns the outcome of the one started ``lag`` exchanges earlier,
+    which has had whole steps to finish: all ranks see the same outcome at the same boundary, and a rank that reaches
+    a boundary first does not wait there for the others. The all-reduce runs on a gloo group of its own: on GPUs it
+    costs no device synchronisation, and it never queues behind FSDP's collectives.
 
     Example:
-        >>> vote = StopVote()
+        >>> vote = StopVote(lag=1)
         >>> vote.open()  # without a process group: this process's ballot is the outcome
         >>> vote.exchange((15, 0)), vote.exchange((0, 0))
         ((0, 0), (15, 0))
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lag: int = 2) -> None:
+        self.lag = lag
         self._group: dist.ProcessGroup | None = None
         self._distributed = False
-        self._ballot: torch.Tensor | None = None
-        self._pending: dist.Work | None = None
+        self._in_flight: deque[tuple[torch.Tensor, dist.Work | None]] = deque()
 
     def open(self) -> None:
         """Call on every rank before the first exchange (creating the group is a collective)."""
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if self._distributed and self._group is None:
             self._group = dist.new_group(backend="gloo")
-        self._ballot, self._pending = None, None
+        self._in_flight.clear()
 
     def exchange(self, ballot: tuple[int, int]) -> tuple[int, int]:
-        """The element-wise maximum over ranks of the ballots of the previous exchange; cast ``ballot`` for the next.
-
-        ``(0, 0)`` at the first exchange."""
-        outcome = self.close()
-        self._ballot = torch.tensor(ballot, dtype=torch.int32)
-        if self._distributed:
-            self._pending = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return outcome
+        """Cast ``ballot``; return the element-wise maximum over ranks of the ballots cast ``lag`` exchanges ago
+        (``(0, 0)`` for the first ``lag`` exchanges)."""
+        tensor = torch.tensor(ballot, dtype=torch.int32)
+        work = (
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            if self._distributed
+            else None
+        )
+        self._in_flight.append((tensor, work))
+        return self._outcome(self._in_flight.popleft()) if len(self._in_flight) > self.lag else (0, 0)
 
     def close(self) -> tuple[int, int]:
-        """The outcome of the last exchange (waiting for it if need be); no new vote is started."""
-        if self._pending is not None:
-            self._pending.wait()
-        ballot, self._ballot, self._pending = self._ballot, None, None
-        return (0, 0) if ballot is None else (int(ballot[0]), int(ballot[1]))
+        """Wait for every vote in flight (call on every rank); the element-wise maximum of their outcomes."""
+        outcomes = [self._outcome(vote) for vote in self._in_flight]
+        self._in_flight.clear()
+        return (max((o[0] for o in outcomes), default=0), max((o[1] for o in outcomes), default=0))
 
     def abandon(self) -> None:
-        """Forget the vote in flight without waiting: after an error, other ranks may never complete it."""
-        self._ballot, self._pending = None, None
+        """Forget the votes in flight without waiting: after an error, other ranks may never complete them."""
+        self._in_flight.clear()
+
+    @staticmethod
+    def _outcome(vote: tuple[torch.Tensor, dist.Work | None]) -> tuple[int, int]:
+        tensor, work = vote
+        if work is not None:
+            work.wait()
+        return int(tensor[0]), int(tensor[1])
 
 
 class PreemptionCheckpoint(Callback):
     """Stop on a signal at the next optimizer-step boundary all ranks agree on, with a checkpoint of that step.
 
     A signal in ``signals`` reaching any rank - all of them, some, at different moments, during validation - is noted
-    by its handler (nothing else runs there) and agreed by all ranks at an optimizer-step boundary one step later
-    (:class:`StopVote`: one all-reduce of 8 bytes per step that no rank waits for). Then every rank:
+    by its handler (nothing else runs there) and agreed by all ranks at an optimizer-step boundary two steps later
+    (:class:`StopVote`: one all-reduce of 8 bytes per step, read two steps after it started, so that no rank waits
+    for it; see ``benchmarks/preemption.py``). Then every rank:
 
     1. writes a checkpoint of that step through the strategy's usual atomic save, having waited for a background
        (``async_save``) save in flight, and waits until it is complete;
