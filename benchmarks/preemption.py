@@ -18,7 +18,7 @@ Agreement (one launch per lag, 2 CPU ranks): the tiny GPT (2 layers x 64, contex
 callback's ``on_train_batch_end`` (the vote) switched on and off in alternating blocks of 10 steps in the same
 processes (the machine's load affects both alike). Step time = rank 0's wall time from ``on_train_batch_start`` to the
 end of ``on_train_batch_end``; the vote's own time = the callback's ``on_train_batch_end``. Run with the vote's
-outcome read one step after it started (lag 1) and two steps after (lag 2, what ``PreemptionCheckpoint`` uses).
+outcome read one step after it started (lag 1, what ``PreemptionCheckpoint`` uses) and two steps after (lag 2).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,33 +35,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, barrier, machine, median, random_token_dataset, write_json
+from benchmarks.common import (
+    RESULTS,
+    barrier,
+    launch_worker,
+    machine,
+    median,
+    random_token_dataset,
+    sharded_trainer,
+    write_json,
+)
 
 STALL_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=64, dropout=0.0, warmup_steps=1)
 VOTE_MODEL = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64, dropout=0.0, warmup_steps=1)
 SYNC_AFTER, ASYNC_AFTER = (2, 4, 6), (6, 8, 10, 12)
 VOTE_STEPS, VOTE_BLOCK = 600, 10
-
-
-def _trainer(devices: int, callbacks: list, max_steps: int) -> Any:
-    import lightning as L
-
-    import lightning_shard
-
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=lightning_shard.ShardedStrategy(auto_wrap_policy=["Block"]),
-        precision="32-true",
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        use_distributed_sampler=False,
-    )
 
 
 def _stall_worker(args: argparse.Namespace) -> None:
@@ -113,7 +99,7 @@ def _stall_worker(args: argparse.Namespace) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPT(**STALL_MODEL, max_steps=max(ASYNC_AFTER))
     saves = Saves()
-    trainer = _trainer(args.devices, [saves], max_steps=max(ASYNC_AFTER))
+    trainer = sharded_trainer(args.devices, [saves], max_steps=max(ASYNC_AFTER))
     data = torch.utils.data.DataLoader(random_token_dataset(64, 64, STALL_MODEL["vocab_size"]), batch_size=1)
     trainer.fit(model, data)  # teardown waits for the last background save
     records = [dict(r, written=saves.published_at.get(r["path"], float("nan")) - r["started"]) for r in saves.records]
@@ -162,25 +148,13 @@ def _vote_worker(args: argparse.Namespace) -> None:
 
     L.seed_everything(1234, verbose=False)
     callback = TimedVote()
-    trainer = _trainer(args.devices, [callback], max_steps=VOTE_STEPS)
+    trainer = sharded_trainer(args.devices, [callback], max_steps=VOTE_STEPS)
     # PreemptionCheckpoint wants a `last` checkpoint to write to outside SLURM; nothing is saved here.
     trainer.callbacks.append(ModelCheckpoint(dirpath=args.dir, save_last=True, every_n_train_steps=10**9))
     data = torch.utils.data.DataLoader(random_token_dataset(VOTE_STEPS * 2, 64, 256), batch_size=1)
     trainer.fit(GPT(**VOTE_MODEL, max_steps=VOTE_STEPS), data)
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps({"records": callback.records}))
-
-
-def _launch(*worker_args: str) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *worker_args, "--out", out.name]
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        env["PYTHONWARNINGS"] = "ignore"
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"`{' '.join(worker_args)}` failed with exit code {proc.returncode}")
-        return json.loads(Path(out.name).read_text())
 
 
 def _summarise(stall: dict[str, Any] | None, votes: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -229,7 +203,7 @@ def _summarise(stall: dict[str, Any] | None, votes: dict[int, dict[str, Any]]) -
         f"vote on and off in alternating blocks of {VOTE_BLOCK} in the same 2 processes (the first two blocks "
         "dropped); step times are medians of the blocks' medians. The vote: one all-reduce (max) of 2 int32 per "
         "rank on a gloo group of its own, started without waiting at each optimizer step; its outcome is read "
-        "`lag` steps later (PreemptionCheckpoint uses 2). The vote's own time is starting the all-reduce and reading "
+        "`lag` steps later (PreemptionCheckpoint uses 1). The vote's own time is starting the all-reduce and reading "
         "the outcome (waiting if it is unfinished). On a shared machine whose 2 cores are busy with other jobs, the "
         "p90 and max include waits for a core, and block-to-block noise exceeds the differences."
     )
@@ -281,8 +255,8 @@ def main() -> None:
     machine_start, start = machine(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="preempt-bench-", dir=args.dir) as tmp:
         common = ["--dir", tmp, "--devices", str(args.devices)]
-        votes = {lag: _launch("--worker", "vote", "--lag", str(lag), *common) for lag in (1, 2)}
-        stall = None if args.skip_stall else _launch("--worker", "stall", *common)
+        votes = {lag: launch_worker(__file__, "--worker", "vote", "--lag", str(lag), *common) for lag in (1, 2)}
+        stall = None if args.skip_stall else launch_worker(__file__, "--worker", "stall", *common)
     report = _summarise(stall, votes)
     for row in report["rows"]:
         print(" | ".join(row))

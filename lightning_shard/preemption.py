@@ -8,7 +8,7 @@ deadlock, and a handler that runs in the middle of the optimizer step saves half
 
 Here the handlers only note the signal. At each optimizer-step boundary every rank puts its note into a tiny
 all-reduce started without waiting and reads the result of the previous boundary's (:class:`StopVote`), so all ranks
-learn of the request at the same step, two steps after the first rank saw it. Then every rank writes one checkpoint
+learn of the request at the same step, one step after the first rank noted it. Then every rank writes one checkpoint
 of that step through the strategy's normal (atomic) save, waits for any background save still in flight, rank 0
 requeues the SLURM job if that was asked for, and the job ends with :data:`PREEMPTED_EXIT_CODE`.
 """
@@ -67,13 +67,13 @@ class StopVote:
     costs no device synchronisation, and it never queues behind FSDP's collectives.
 
     Example:
-        >>> vote = StopVote(lag=1)
+        >>> vote = StopVote()
         >>> vote.open()  # without a process group: this process's ballot is the outcome
         >>> vote.exchange((15, 0)), vote.exchange((0, 0))
         ((0, 0), (15, 0))
     """
 
-    def __init__(self, lag: int = 2) -> None:
+    def __init__(self, lag: int = 1) -> None:
         self.lag = lag
         self._group: dist.ProcessGroup | None = None
         self._distributed = False
@@ -120,8 +120,8 @@ class PreemptionCheckpoint(Callback):
     """Stop on a signal at the next optimizer-step boundary all ranks agree on, with a checkpoint of that step.
 
     A signal in ``signals`` reaching any rank - all of them, some, at different moments, during validation - is noted
-    by its handler (nothing else runs there) and agreed by all ranks at an optimizer-step boundary two steps later
-    (:class:`StopVote`: one all-reduce of 8 bytes per step, read two steps after it started, so that no rank waits
+    by its handler (nothing else runs there) and agreed by all ranks at the next optimizer-step boundary
+    (:class:`StopVote`: one all-reduce of 8 bytes per step, read a step after it started, so that no rank waits
     for it; see ``benchmarks/preemption.py``). Then every rank:
 
     1. writes a checkpoint of that step through the strategy's usual atomic save, having waited for a background

@@ -95,17 +95,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 def test_lightning_launcher_stops_at_an_agreed_step_after_the_save_in_flight(tmp_path: Path, reference: dict) -> None:
     """Rank 1 gets SIGTERM during the validation after step 4, rank 0 SIGUSR1 after step 5; the periodic (async)
-    checkpoint of step 5 takes 1.5 s more to write. Both ranks stop after step 7 (the requests, voted at the boundary
-    of step 5, are read two steps later) with the step-5 save complete and a step-7 checkpoint as `last`."""
+    checkpoint of step 5 takes 1.5 s more to write. Both ranks stop after step 6 (the requests, voted at the boundary
+    of step 5, are read at the next one) with the step-5 save complete and a step-6 checkpoint as `last`."""
     command = [sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", str(STEPS), "--every", "5", "--async-save",
                "--slow-save", "1.5", "--act", "0:1:4:val-SIGTERM", "--act", "0:0:5:SIGUSR1"]  # fmt: skip
     rc, output = run(command, clean_env(), tmp_path)
     assert rc == PREEMPTED_EXIT_CODE, output[-4000:]
-    assert "[rank 1] attempt 0 step 4: val-SIGTERM" in output and "SIGTERM agreed at step 7" in output
-    assert_equal_to_reference(losses(tmp_path), reference, list(range(1, 8)))  # and no step after the stop
+    assert "[rank 1] attempt 0 step 4: val-SIGTERM" in output and "SIGTERM agreed at step 6" in output
+    assert_equal_to_reference(losses(tmp_path), reference, list(range(1, 7)))  # and no step after the stop
     ckpts = tmp_path / "ckpts"
     assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=5.ckpt", "last.ckpt"]  # no staging left
-    assert global_step(ckpts / "epoch=0-step=5.ckpt") == 5 and global_step(ckpts / "last.ckpt") == 7
+    assert global_step(ckpts / "epoch=0-step=5.ckpt") == 5 and global_step(ckpts / "last.ckpt") == 6
     assert not leftover_processes(str(tmp_path))
 
 
@@ -170,8 +170,8 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
 def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint(tmp_path: Path, reference: dict) -> None:
     """``torchrun --max-restarts 2``, ``fit(ckpt_path="last")``, async saves every 4 steps. Attempt 0: rank 1 is
     SIGKILLed in the step-8 save, after writing its shards. Attempt 1 resumes from step 4 (the half-written step-8
-    checkpoint is never picked), and rank 0 alone gets SIGTERM after step 9: both stop after step 11 with a
-    checkpoint as `last` and exit with status 75, which torchrun restarts too. Attempt 2 resumes from step 11 and
+    checkpoint is never picked), and rank 0 alone gets SIGTERM after step 9: both stop after step 10 with a
+    checkpoint as `last` and exit with status 75, which torchrun restarts too. Attempt 2 resumes from step 10 and
     finishes."""
     env = dict(clean_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # see docs/multinode.md, "Preemption"
     command = [sys.executable, *torchrun_args(2), "--max-restarts=2", SCRIPT, "--out", str(tmp_path), "--steps",
@@ -184,7 +184,7 @@ def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint(tmp_path: 
     )
     assert f"exitcode: {PREEMPTED_EXIT_CODE}" in output  # attempt 1's stop, as torchrun reports it
     recorded = losses(tmp_path)
-    for attempt, steps in {0: range(1, 9), 1: range(5, 12), 2: range(12, STEPS + 1)}.items():
+    for attempt, steps in {0: range(1, 9), 1: range(5, 11), 2: range(11, STEPS + 1)}.items():
         assert_equal_to_reference([r for r in recorded if r["attempt"] == attempt], reference, list(steps))
     ckpts = tmp_path / "ckpts"
     assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=12.ckpt", "last.ckpt"]
@@ -221,12 +221,15 @@ def test_handler_only_notes_the_request_and_a_second_ctrl_c_interrupts() -> None
         callback._note(signal.SIGINT, None)
 
 
-def test_stop_vote_outcome_is_two_exchanges_late() -> None:
-    vote = StopVote()  # lag 2
+def test_stop_vote_outcome_is_lag_exchanges_late() -> None:
+    vote = StopVote(lag=2)
     vote.open()
     ballots = [(0, 0), (15, 1), (0, 0), (0, 0), (10, 0)]
     assert [vote.exchange(ballot) for ballot in ballots] == [(0, 0), (0, 0), (0, 0), (15, 1), (0, 0)]
     assert vote.close() == (10, 0)  # the two still in flight
+    vote = StopVote()  # lag 1, PreemptionCheckpoint's
+    vote.open()
+    assert [vote.exchange(ballot) for ballot in ballots] == [(0, 0), (0, 0), (15, 1), (0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize(
