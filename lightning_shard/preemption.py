@@ -32,7 +32,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
@@ -192,6 +192,13 @@ class PreemptionCheckpoint(Callback):
             )
         if not isinstance(_cluster_environment(trainer), SLURMEnvironment):
             _last_checkpoint_saver(trainer)  # raises now, not when the cluster stops the job
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank_zero_warn(
+                "torchrun restarts these workers on failure, and its rendezvous store is shared across restarts: the "
+                "restarted workers can read the previous attempt's addresses and fail or hang while connecting "
+                "(pytorch/pytorch#135712). Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."
+            )
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

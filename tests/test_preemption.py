@@ -113,7 +113,8 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
     tmp_path: Path, reference: dict
 ) -> None:
     """Two tasks started as srun starts them, ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default under
-    SLURM). SIGUSR1 from outside reaches rank 0, then rank 1 0.3 s later, while training runs (0.2 s per step).
+    SLURM). SIGUSR1 from outside reaches rank 0, then rank 1 0.3 s later, while training runs (0.5 s per step, so
+    that rank 1's signal still finds it training: once the job has ended, SIGUSR1's default action kills a process).
     Both stop at one step with a complete ``hpc_ckpt_1.ckpt``; ``scontrol requeue`` runs once, after it is
     complete; nobody trains on. The requeued job (same command, ``ckpt_path=None``) resumes from it by itself,
     beside the staging a save killed half-way would leave, and its losses equal the uninterrupted run's."""
@@ -147,7 +148,7 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
         codes = finish(procs, logs, deadline)
         return codes, "\n".join(log.read_text() for log in logs)
 
-    codes, output = job("--step-sleep", "0.2", "--marker-step", "3", signal_after_step=3)
+    codes, output = job("--step-sleep", "0.5", "--marker-step", "3", signal_after_step=3)
     assert codes == [PREEMPTED_EXIT_CODE] * 2, output[-6000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242 complete\n"
     stopped = losses(root)

@@ -63,6 +63,9 @@ OPTIMIZER_KEY = "optimizer_states"
 # Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
 WORLD_SIZE_KEY = "sharded_world_size"
 _DCP_METADATA = ".metadata"
+# torch < 2.13's DefaultStager frees its staging buffers (and its copying machinery) at the end of every stage: there
+# it serves one save.
+_STAGER_KEEPS_BUFFERS = torch.__version__ >= "2.13"
 # Holds saves being written (see `_staging_path`): no "ckpt_" and no "last" in the name.
 _STAGING_DIR = ".lightning_shard_staging"
 
@@ -84,10 +87,11 @@ class ShardedCheckpointIO(CheckpointIO):
 
     Args:
         async_save: write sharded checkpoints in the background with DCP's ``async_save``: the step waits only
-            while the shards are copied to CPU memory (pinned memory on GPUs). The copy's buffers are kept from one
-            save to the next - one more copy of this rank's shards in CPU memory - so only the first save pays for
-            allocating them. At most one save is in flight (the next save, a removal and teardown wait for it); the
-            rename that publishes it happens once every rank's files are written.
+            while the shards are copied to CPU memory (pinned memory on GPUs). From torch 2.13 on the copy's buffers
+            are kept from one save to the next - one more copy of this rank's shards in CPU memory - so only the first
+            save pays for allocating them (before 2.13 every save allocates them, unpinned). At most one save is in
+            flight (the next save, a removal and teardown wait for it); the rename that publishes it happens once
+            every rank's files are written.
 
     Example:
         >>> import lightning as L
@@ -159,14 +163,15 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._async_group is None and _distributed_is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
-        if self._stager is None:
-            on_gpu = any(value.device.type == "cuda" for value in payload[MODEL_KEY].values())
+        if self._stager is None or not _STAGER_KEEPS_BUFFERS:
+            # Pinned buffers pay when they are kept; allocating and pinning them anew for every save would not.
+            pinned = _STAGER_KEEPS_BUFFERS and any(value.device.type == "cuda" for value in payload[MODEL_KEY].values())
             self._stager = DefaultStager(
                 StagingOptions(
-                    use_pinned_memory=on_gpu,
+                    use_pinned_memory=pinned,
                     use_shared_memory=False,
                     use_async_staging=False,  # the step waits for the copy: the next optimizer step would change it
-                    use_non_blocking_copy=on_gpu,
+                    use_non_blocking_copy=pinned,
                 )
             )
         written = dcp.async_save(
