@@ -13,7 +13,7 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   ``split_torch_state_dict_into_shards`` (what ``save_pretrained`` uses), planned from the checkpoint's metadata, and
   written one shard at a time: only that shard's tensors are read (DCP reads of the chosen keys; a full file is
   memory-mapped and released after each shard), so one process holds at most one shard, never the whole model.
-* Atomic: written into a hidden sibling of the output directory and renamed into place at the end.
+* Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end.
 
 transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported inside the functions that need them.
 """
