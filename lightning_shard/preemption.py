@@ -185,6 +185,8 @@ class PreemptionCheckpoint(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # A request noted in an earlier fit's last step (which needed no stop) is not this fit's.
+        self._requested, self._requeue_requested, self._announced = None, False, False
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
                 "PreemptionCheckpoint installs signal handlers, which Python allows only in the main thread; "
