@@ -49,7 +49,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, barrier, machine, median, random_token_dataset, write_json
+from benchmarks.common import (
+    RESULTS,
+    barrier,
+    launch_worker,
+    machine,
+    median,
+    random_token_dataset,
+    sharded_trainer,
+    write_json,
+)
 
 SPEED_MODEL = dict(n_layer=14, n_head=12, n_embd=768, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=1)
 MEMORY_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=2048, dropout=0.0, warmup_steps=1)
@@ -80,29 +89,6 @@ def _status_bytes(field: str) -> int:
 
 def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM restarts from the current RSS
-
-
-def _trainer(devices: int, callbacks: list, max_steps: int, state_dict_type: str = "sharded") -> Any:
-    import lightning as L
-
-    import lightning_shard
-
-    strategy = lightning_shard.ShardedStrategy(
-        sharding_strategy="FULL_SHARD", auto_wrap_policy=["Block"], state_dict_type=state_dict_type
-    )
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision="32-true",
-        max_steps=max_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
 
 
 @contextmanager
@@ -236,7 +222,7 @@ def _speed_worker(args: argparse.Namespace) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPT(**SPEED_MODEL, max_steps=1)
     rounds = LoadRounds()
-    trainer = _trainer(args.devices, [rounds], max_steps=1)
+    trainer = sharded_trainer(args.devices, [rounds], max_steps=1)
     trainer.fit(
         model, torch.utils.data.DataLoader(random_token_dataset(2, 64, SPEED_MODEL["vocab_size"]), batch_size=1)
     )
@@ -271,7 +257,7 @@ def _memory_worker(args: argparse.Namespace) -> None:
     L.seed_everything(1234, verbose=False)
     model = GPT(**MEMORY_MODEL, max_steps=1)
     data = torch.utils.data.DataLoader(random_token_dataset(2, 32, MEMORY_MODEL["vocab_size"]), batch_size=1)
-    trainer = _trainer(args.devices, [], max_steps=1, state_dict_type="full")
+    trainer = sharded_trainer(args.devices, [], max_steps=1, state_dict_type="full")
     if args.phase == "save":
 
         class SaveFull(Callback):
@@ -313,19 +299,6 @@ def _memory_worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"ranks": per_rank, "file_bytes": _size(Path(args.ckpt))}))
 
 
-def _launch(*worker_args: str) -> dict[str, Any]:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(Path(__file__).resolve()), *worker_args, "--out", out.name]
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        env["PYTHONWARNINGS"] = "ignore"
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"`{' '.join(worker_args)}` failed with exit code {proc.returncode}")
-        text = Path(out.name).read_text()
-        return json.loads(text) if text else {}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", choices=["speed", "memory"], help=argparse.SUPPRESS)
@@ -349,12 +322,12 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=args.dir) as tmp:
         common = ["--dir", tmp, "--devices", str(args.devices)]
-        speed = _launch("--worker", "speed", *common, "--repeats", str(args.repeats))
+        speed = launch_worker(__file__, "--worker", "speed", *common, "--repeats", str(args.repeats))
         memory = None
         if not args.skip_memory:
             ckpt = str(Path(tmp) / "medium-full.ckpt")
-            _launch("--worker", "memory", "--phase", "save", "--ckpt", ckpt, *common)
-            memory = _launch("--worker", "memory", "--phase", "load", "--ckpt", ckpt, *common)
+            launch_worker(__file__, "--worker", "memory", "--phase", "save", "--ckpt", ckpt, *common)
+            memory = launch_worker(__file__, "--worker", "memory", "--phase", "load", "--ckpt", ckpt, *common)
     wall = time.perf_counter() - start
     summary, report = _summarise(speed, memory, args)
     write_json(

@@ -12,6 +12,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -131,6 +132,43 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=False))
     tmp.replace(path)
+
+
+def sharded_trainer(devices: int, callbacks: list, max_steps: int, **strategy: Any) -> L.Trainer:
+    """A Trainer on CPU ranks with ``ShardedStrategy`` (FULL_SHARD, each ``Block`` a unit, fp32, ``strategy`` on top)
+    that validates, logs and checkpoints nothing by itself: a benchmark's callbacks decide what happens."""
+    import lightning_shard
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=lightning_shard.ShardedStrategy(
+            sharding_strategy="FULL_SHARD", auto_wrap_policy=["Block"], **strategy
+        ),
+        precision="32-true",
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def launch_worker(script: str | Path, *worker_args: str) -> dict[str, Any]:
+    """Run ``python script *worker_args --out FILE`` (a benchmark's worker, which starts its ranks with Lightning's
+    launcher) with the machine's default threads; return the JSON it wrote to ``FILE`` (``{}`` if none)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, str(Path(script).resolve()), *worker_args, "--out", out.name]
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env["PYTHONWARNINGS"] = "ignore"
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
+            raise SystemExit(f"`{' '.join(worker_args)}` failed with exit code {proc.returncode}")
+        text = Path(out.name).read_text()
+        return json.loads(text) if text else {}
 
 
 def random_token_dataset(num_samples: int, block_size: int, vocab_size: int, seed: int = 0) -> torch.utils.data.Dataset:

@@ -28,6 +28,7 @@ EXPECTED = {
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
     "hf_loading": "python benchmarks/hf_loading.py",
+    "preemption": "python benchmarks/preemption.py",
     "gpu_check": "python benchmarks/gpu_check.py",
 }
 # Why an expected result may be missing, where the reason is known.

@@ -20,14 +20,17 @@ from lightning_shard.memory import (
     format_estimate_table,
 )
 from lightning_shard.precision import ShardedPrecision
+from lightning_shard.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
 from lightning_shard.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "CheckpointIntegrityError",
     "MemoryBreakdown",
     "MemoryEstimate",
+    "PreemptionCheckpoint",
     "ShardedCheckpointIO",
     "ShardedMemoryMonitor",
     "ShardedPrecision",

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
+# Variables of an enclosing launcher that must not leak into processes a test starts as ranks of its own job.
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = True) -> str:
@@ -45,6 +50,54 @@ def run_torchrun_result(nproc: int, script: str, *args: str, timeout: float = 24
     out = run_script(*torchrun_args(nproc), script, *args, timeout=timeout)
     line = next(line for line in out.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without any launcher's or SLURM's variables, with the repository on ``PYTHONPATH``."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def srun_env(rank: int, port: int, nodes: int = 1, tasks_per_node: int = 2, job_name: str = "test") -> dict[str, str]:
+    """The variables ``srun`` gives task ``rank`` of job 4242 (Lightning then picks its SLURMEnvironment)."""
+    env = clean_env()
+    env.update(
+        SLURM_JOB_NAME=job_name,
+        SLURM_JOB_ID="4242",
+        SLURM_NTASKS=str(nodes * tasks_per_node),
+        SLURM_NNODES=str(nodes),
+        SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+        SLURM_PROCID=str(rank),
+        SLURM_NODEID=str(rank // tasks_per_node),
+        SLURM_LOCALID=str(rank % tasks_per_node),
+        SLURM_NODELIST="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return env
+
+
+def leftover_processes(marker: str, grace: float = 10.0) -> list[str]:
+    """Processes whose command line names ``marker`` (the job's unique output dir), after a short grace period."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if marker in cmdline and proc.pid != os.getpid():
+                found.append(f"{proc.pid}: {cmdline}")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from toy import FULL, ToyModel
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.checkpoint import convert, reader, unit_load
+from lightning_shard.checkpoint.io import _STAGING_DIR
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.cli import main as cli_main
 
@@ -238,6 +239,26 @@ def sharded_toy(mesh: DeviceMesh, **kwargs: Any) -> tuple[ToyModel, torch.optim.
     return model, model.configure_optimizers()
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_lightning_state_with_empty_containers_survives_either_save(
+    one_rank_group, tmp_path: Path, async_save: bool
+) -> None:
+    """DCP flattens state dicts and drops empty containers; the Lightning entries are stored whole to keep them. An
+    async save first deep-copies the state into its staging buffers, which must copy them whole too."""
+    io = ShardedCheckpointIO(async_save=async_save)
+    state = {
+        "state_dict": {"w": distribute_tensor(torch.arange(4.0), one_rank_group, [Shard(0)])},
+        "lr_schedulers": [{"lr_lambdas": [{}], "base_lrs": [0.1]}],  # a LambdaLR with a functools.partial
+        "callbacks": {"Counter": {"notes": []}},
+    }
+    io.save_checkpoint(state, tmp_path / "x.ckpt")
+    state["callbacks"]["Counter"]["notes"].append("changed after the save started")
+    io.teardown()
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt")
+    assert loaded["lr_schedulers"] == [{"lr_lambdas": [{}], "base_lrs": [0.1]}]
+    assert loaded["callbacks"] == {"Counter": {"notes": []}}
+
+
 def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Path, monkeypatch) -> None:
     io = ShardedCheckpointIO()
     path = tmp_path / "last.ckpt"
@@ -259,9 +280,10 @@ def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Pa
     monkeypatch.undo()
     survivor = io.load_checkpoint(path)
     assert survivor["global_step"] == 1 and torch.equal(survivor["state_dict"]["w"], torch.full((4,), 1.0))
-    # the half-written save is a hidden sibling without metadata: never mistaken for a checkpoint
-    leftovers = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
-    assert leftovers and all(p.name.startswith(".last.ckpt.tmp-") and not is_sharded_checkpoint(p) for p in leftovers)
+    # the half-written save is in the hidden staging folder, without metadata: never mistaken for a checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == [_STAGING_DIR, "last.ckpt"]
+    leftovers = list((tmp_path / _STAGING_DIR).iterdir())
+    assert leftovers and all(p.name.startswith("last.ckpt.tmp-") and not is_sharded_checkpoint(p) for p in leftovers)
 
     # a full-format save that fails while writing leaves the old file in place too
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REPO, run_script
+from conftest import REPO, clean_env, free_port, run_script, srun_env
 
 from lightning_shard.config import ShardingConfig
 
@@ -36,23 +35,6 @@ SCRIPT = "tests/hybrid_run.py"
 # Every run clips the gradient norm (active at 0.05 for the toy model): the norm of 2-D DTensor gradients.
 CLIP = ("--clip", "0.05")
 TIMEOUT = 150  # seconds for any one run (each takes 5-35 s on 2 cores)
-# Variables of an enclosing launcher that must not leak into the simulated nodes.
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _clean_env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "SLURM_"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def run_together(out: Path, jobs: list[tuple[list[str], dict[str, str]]], timeout: float = TIMEOUT) -> None:
@@ -92,7 +74,7 @@ def run_together(out: Path, jobs: list[tuple[list[str], dict[str, str]]], timeou
 
 def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2) -> None:
     """Two torchrun "nodes" of ``nproc_per_node`` ranks on this machine, as on two hosts (static rendezvous)."""
-    port, env = _free_port(), _clean_env()
+    port, env = free_port(), clean_env()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc_per_node}"]
     address = ["--master_addr=127.0.0.1", f"--master_port={port}"]
     run_together(out, [([*torchrun, f"--node_rank={node}", *address, SCRIPT, *CLIP, *args], env) for node in (0, 1)])
@@ -100,24 +82,9 @@ def run_two_nodes(out: Path, *args: str, nproc_per_node: int = 2) -> None:
 
 def run_like_srun(out: Path, *args: str, nodes: int = 2, tasks_per_node: int = 2) -> None:
     """One process per task with the variables ``srun`` sets, so Lightning picks its SLURMEnvironment."""
-    port, world = _free_port(), nodes * tasks_per_node
-    jobs = []
-    for rank in range(world):
-        env = _clean_env()
-        env.update(
-            SLURM_JOB_NAME="hybrid",
-            SLURM_JOB_ID="4242",
-            SLURM_NTASKS=str(world),
-            SLURM_NNODES=str(nodes),
-            SLURM_NTASKS_PER_NODE=str(tasks_per_node),
-            SLURM_PROCID=str(rank),
-            SLURM_NODEID=str(rank // tasks_per_node),
-            SLURM_LOCALID=str(rank % tasks_per_node),
-            SLURM_NODELIST="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        jobs.append(([sys.executable, SCRIPT, *CLIP, *args], env))
-    run_together(out, jobs)
+    port, world = free_port(), nodes * tasks_per_node
+    command = [sys.executable, SCRIPT, *CLIP, *args]
+    run_together(out, [(command, srun_env(rank, port, nodes, tasks_per_node, "hybrid")) for rank in range(world)])
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,16 @@ parameter names and optimizer states under ``"optimizer_states"`` keyed by param
   ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file)`` turns it into a full file.
 * full: one file written by rank 0 from a state dict gathered to CPU memory, readable with plain ``torch.load``.
 
-Writes are atomic: into a hidden temporary sibling, renamed over the target once every rank has finished,
-so an interrupted save never leaves something that looks like a complete checkpoint.
+Writes are atomic: into a hidden staging folder beside the target, renamed over the target once every rank has
+finished, so an interrupted save never leaves something that looks like a complete checkpoint, to this package or to
+Lightning's scans of checkpoint folders (see ``_staging_path``).
 Either format loads into any world size: DCP reshards, and a full file is mapped by rank 0 and broadcast unit by
 unit (``unit_load``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
@@ -34,6 +36,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -58,6 +61,11 @@ OPTIMIZER_KEY = "optimizer_states"
 # Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
 WORLD_SIZE_KEY = "sharded_world_size"
 _DCP_METADATA = ".metadata"
+# torch < 2.13's DefaultStager frees its staging buffers (and its copying machinery) at the end of every stage: there
+# it serves one save.
+_STAGER_KEEPS_BUFFERS = torch.__version__ >= "2.13"
+# Holds saves being written (see `_staging_path`): no "ckpt_" and no "last" in the name.
+_STAGING_DIR = ".lightning_shard_staging"
 
 
 def is_sharded_checkpoint(path: _PATH) -> bool:
@@ -77,8 +85,11 @@ class ShardedCheckpointIO(CheckpointIO):
 
     Args:
         async_save: write sharded checkpoints in the background with DCP's ``async_save``: the step waits only
-            while the shards are copied to CPU memory. At most one save is in flight (the next save, a removal
-            and teardown wait for it); the rename that publishes it happens once every rank's files are written.
+            while the shards are copied to CPU memory (pinned memory on GPUs). From torch 2.13 on the copy's buffers
+            are kept from one save to the next - one more copy of this rank's shards in CPU memory - so only the first
+            save pays for allocating them (before 2.13 every save allocates them, unpinned). At most one save is in
+            flight (the next save, a removal and teardown wait for it); the rename that publishes it happens once
+            every rank's files are written.
 
     Example:
         >>> import lightning as L
@@ -92,6 +103,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self._in_flight: Future | None = None
         self._async_group: dist.ProcessGroup | None = None
+        self._stager: DefaultStager | None = None
 
     # ------------------------------------------------------------------ state dicts
 
@@ -149,7 +161,20 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._async_group is None and _distributed_is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
-        written = dcp.async_save(payload, checkpoint_id=staging, process_group=self._async_group)
+        if self._stager is None or not _STAGER_KEEPS_BUFFERS:
+            # Pinned buffers pay when they are kept; allocating and pinning them anew for every save would not.
+            pinned = _STAGER_KEEPS_BUFFERS and any(value.device.type == "cuda" for value in payload[MODEL_KEY].values())
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # the step waits for the copy: the next optimizer step would change it
+                    use_non_blocking_copy=pinned,
+                )
+            )
+        written = dcp.async_save(
+            payload, checkpoint_id=staging, process_group=self._async_group, async_stager=self._stager
+        )
         # `wait()` waits for `published`, which completes only after the rename: a bare done-callback on
         # `written` may still be renaming when `written.result()` returns.
         published: Future = Future()
@@ -177,7 +202,7 @@ class ShardedCheckpointIO(CheckpointIO):
     def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         staging = _staging_path(path)
         if rank() == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            staging.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, staging)
             _replace(staging, path)
         barrier()
@@ -195,6 +220,9 @@ class ShardedCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         self.wait()
+        if self._stager is not None:
+            self._stager.close()  # frees the kept staging buffers
+            self._stager = None
 
     # ------------------------------------------------------------------ load
 
@@ -323,13 +351,20 @@ class _Pickled:
     DCP's flattening drops empty containers (a ``LambdaLR``'s ``lr_lambdas: [{}]``, a callback's ``{}``), which
     Lightning then misses on restore. It unpickles through ``pickle.loads`` to the original object, so neither
     ``dcp_to_torch_save`` nor a reader needs lightning_shard.
+
+    The value is pickled when the save starts: a background save writes the state of that moment, and DCP's async
+    staging, which deep-copies the state dict, copies this snapshot as it is (a deep copy through ``__reduce__``
+    would hand DCP the unwrapped value to flatten).
     """
 
     def __init__(self, value: Any) -> None:
-        self.value = value
+        self.data = pickle.dumps(value)
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return pickle.loads, (pickle.dumps(self.value),)
+        return pickle.loads, (self.data,)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Pickled:
+        return self  # immutable
 
 
 def _opaque(value: Any) -> Any:
@@ -362,20 +397,27 @@ def _existing(path: _PATH) -> Path:
 
 
 def _staging_path(path: Path) -> Path:
+    """Where a save to ``path`` is written before it is published: ``.lightning_shard_staging/NAME.tmp-XXXXXXXX``
+    beside it. Lightning scans checkpoint folders by name - hpc numbering reads the digits after any ``ckpt_``
+    (``.hpc_ckpt_2.ckpt.tmp-3f2a9b1c`` would count as version 23291), ``ckpt_path="last"`` matches ``last*.ckpt`` -
+    but only the folder's own entries: inside a subfolder whose name has neither, a save killed half-way is never
+    taken for a checkpoint. The same filesystem as ``path``, so publishing is a rename."""
     # One name for all ranks: rank 0 draws it and broadcasts it.
     token = broadcast_object(uuid.uuid4().hex[:8])
-    return path.with_name(f".{path.name}.tmp-{token}")
+    return path.parent / _STAGING_DIR / f"{path.name}.tmp-{token}"
 
 
 def _replace(staging: Path, path: Path) -> None:
     """Move ``staging`` to ``path``; an existing checkpoint there is moved aside first and deleted last."""
-    retired = path.with_name(f".{path.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+    retired = staging.with_name(f"{path.name}.old-{staging.name.rsplit('-', 1)[-1]}")
     if path.exists():
         os.replace(path, retired)
     os.replace(staging, path)
     # Last: the replaced checkpoint, and staging left by saves to this path that were interrupted earlier.
-    for leftover in [retired, *path.parent.glob(f".{glob.escape(path.name)}.tmp-*")]:
+    for leftover in [retired, *staging.parent.glob(f"{glob.escape(path.name)}.tmp-*")]:
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
         elif leftover.exists():
             leftover.unlink()
+    with contextlib.suppress(OSError):  # still holds another save's staging, or a leftover of another name
+        staging.parent.rmdir()

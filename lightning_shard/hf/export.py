@@ -20,7 +20,7 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   files and the config never disagree.
 * LoRA runs (peft): ``merge_lora=True`` writes the model with the adapters merged; :func:`export_adapter` writes the
   adapter alone (:mod:`lightning_shard.hf.peft_export`).
-* Atomic: written into a hidden sibling of the output directory and renamed into place at the end.
+* Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end.
 
 transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported inside the functions that need them.
 """
