@@ -96,11 +96,19 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     return model
 
 
+def planned_load(model: nn.Module) -> bool:
+    """Whether ``model`` was built by :func:`from_pretrained` on the meta device and awaits its files."""
+    return _PRETRAINED in model.__dict__
+
+
 def load_pretrained_shards(model: nn.Module) -> bool:
     """Load the files planned by :func:`from_pretrained` into ``model``'s shards; ``False`` if none were planned.
 
-    Every tensor read is flagged ``_is_hf_initialized`` (as transformers flags loaded weights), so the init that
-    follows leaves it alone. Call on every rank, after sharding and allocation.
+    The names are those ``model`` had when :func:`from_pretrained` built it: a wrapper that changed the model since
+    (peft's ``lora.Linear`` holding ``q_proj`` as ``base_layer``) is undone around the load by the caller
+    (:class:`lightning_shard.hf.init.AsBuilt`). Every tensor read is flagged ``_is_hf_initialized`` (as transformers
+    flags loaded weights), so the init that follows leaves it alone. Call on every rank, after sharding and
+    allocation.
     """
     plan: LoadPlan | None = model.__dict__.pop(_PRETRAINED, None)
     if plan is None:
@@ -110,7 +118,8 @@ def load_pretrained_shards(model: nn.Module) -> bool:
     tensors = model.state_dict(keep_vars=True)
     first_key: dict[int, str] = {}  # a weight stored under two tied names is read once
     for key, name in plan.renamed.items():
-        first_key.setdefault(id(tensors[name]), key)
+        if not tensors[name].is_meta:  # a module the wrapper dropped from the model (not sharded): nothing to fill
+            first_key.setdefault(id(tensors[name]), key)
     targets = {key: tensors[plan.renamed[key]] for key in first_key.values()}
     if targets:
         dcp.load(targets, storage_reader=_reader(plan.path))
