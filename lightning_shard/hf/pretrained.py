@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_shard.hf.conversion import LoadPlan, load_converted, plan_load
+from lightning_shard.hf.frozen_weights import note_loaded
 from lightning_shard.hf.safetensors_files import slice_reader_class, stored_tensors
 
 # Set on a model built by `from_pretrained` on the meta device: the `LoadPlan` of its weights.
@@ -123,8 +124,10 @@ def load_pretrained_shards(model: nn.Module) -> bool:
     targets = {key: tensors[plan.renamed[key]] for key in first_key.values()}
     if targets:
         dcp.load(targets, storage_reader=_reader(plan.path))
-    for tensor in [*targets.values(), *load_converted(model, plan)]:
+    loaded = [*targets.values(), *load_converted(model, plan)]
+    for tensor in loaded:
         tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    note_loaded(model, {stored.file for stored in plan.stored.values() if stored.file}, loaded)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if own and all(getattr(t, "_is_hf_initialized", False) for t in own):
