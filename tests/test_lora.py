@@ -288,3 +288,37 @@ def test_a_base_tensor_held_outside_the_model_is_refused(checkpoints: Path, mesh
             model, mesh, ShardingConfig(auto_wrap_policy=None), mp_policy=MixedPrecisionPolicy(),
             offload_policy=OffloadPolicy(), device=torch.device("cpu"),
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- the example
+
+
+def test_lora_example_trains_the_adapters_and_saves_small_checkpoints(tmp_path: Path) -> None:
+    import csv
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_hf_example import SHORT_RUN, _pretrained_loss_on_first_batches
+
+    (tmp_path / "short.yaml").write_text(SHORT_RUN)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    config = REPO / "configs" / "hf_llama_tiny_lora.yaml"
+    command = [sys.executable, str(REPO / "examples/hf/finetune.py"), "fit", "--config", str(config)]
+    run = subprocess.run(
+        [*command, "--config", "short.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "--merge-lora" in run.stdout and "--adapter-only" in run.stdout
+    pretrained, out = tmp_path / "out/hf_llama_tiny/pretrained", tmp_path / "out/hf_llama_tiny_lora"
+    with open(out / "logs/version_0/metrics.csv") as f:
+        losses = {int(row["step"]): float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]}
+    # LoRA B starts at zero: the first loss is the pretrained model's own
+    assert abs(losses[0] - _pretrained_loss_on_first_batches(pretrained)) <= 1e-4
+    assert sorted(losses) == list(range(6)) and losses[5] < losses[0]
+    from lightning_shard.checkpoint.io import read_sharded_keys
+
+    checkpoint = read_sharded_keys(out / "checkpoints/last.ckpt", {"state_dict", RECORD_KEY})
+    assert checkpoint["state_dict"] and all(is_lora(key) for key in checkpoint["state_dict"])
+    assert [file["path"] for file in checkpoint[RECORD_KEY]["files"]] == [str(pretrained / "model.safetensors")]
