@@ -345,53 +345,53 @@ def _refuse(unlogged: list[nn.Module], unable: list[str]) -> None:
 class _Replay:
     """Runs recorded ops on full-size tensors: storages replayed into their live tensors, draws into scratch.
 
-    Each storage gets a full-size buffer when an op overwrites or creates it (the value before is dead), or holds its
-    current value when an op updates it; it is written back to its live tensors (each rank its shard) and dropped at
-    its last use, so only the tensors under initialisation at one point of the construction exist whole.
+    A storage gets a full-size buffer when an op creates or overwrites it (the value before is dead) and keeps it while
+    later ops update or read it; at the last of those the buffer is dropped - written back to the live tensors first
+    (each rank its shard) if no later op overwrites it again. So only the tensors under initialisation at one point of
+    the construction exist whole, even when a constructor re-initialises its children at its end.
     """
 
     def __init__(self, plan: _InitPlan, device: torch.device, swap: FullSizeParameters) -> None:
         self.plan, self.device, self.swap = plan, device, swap
         self.buffers: dict[int, torch.Tensor] = {}
-        self.last_use: dict[int, int] = {}
+        self.closes: dict[int, list[tuple[int, bool]]] = {}  # op seq -> [(storage, write it back)] after the op
+        last: dict[int, int] = {}  # storage -> the op that last used its current buffer
         for op in plan.ops:
             if op.seq in plan.library_op:
                 continue
-            for s in (op.storage, op.source_storage):
-                if s in plan.needed:
-                    self.last_use[s] = op.seq
+            if op.storage in plan.needed and _overwrites(op) and op.storage in last:
+                self.closes.setdefault(last.pop(op.storage), []).append((op.storage, False))
+            for storage in (op.storage, op.source_storage):
+                if storage in plan.needed:
+                    last[storage] = op.seq
+        for storage, seq in last.items():
+            self.closes.setdefault(seq, []).append((storage, True))
 
     def op(self, op: Op) -> None:
         library = self.plan.library_op.get(op.seq)
-        if library is not None:
-            if op.random and library.replays_draws:
-                _run_on_scratch(op, self.device)
-            return
-        if op.storage not in self.plan.needed:
-            # a draw into a tensor no one keeps advances the stream as in an eager build - unless it was made in the
-            # constructor of a module whose reset_parameters() redoes that constructor's work
-            if op.random and not any(id(m) in self.plan.fallback_ids for m in op.constructing):
-                _run_on_scratch(op, self.device)
+        if library is not None or op.storage not in self.plan.needed:
+            # A draw into a tensor no one keeps advances the stream as in an eager build - unless it was made in a
+            # library's constructors that an eager load does not run (`from_pretrained`), or in the constructor of a
+            # module whose reset_parameters() redoes that constructor's work.
+            if library is not None:
+                draws = library.replays_draws
+            else:
+                draws = not any(id(m) in self.plan.fallback_ids for m in op.constructing)
+            if op.random and draws:
+                args, kwargs = _on_device(op, self.device, {})
+                op.func(*args, **kwargs)
             return
         assert op.target is not None
-        fresh = op.kind == "create" or op.overwrites or (op.kind == "copy" and op.whole)
-        target = self._view(op.target, fresh)
-        source = None if op.source is None else self._source(op.source)
-        swapped = {id(op.target): target, **({id(op.source): source} if op.source is not None else {})}
-
-        def real(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                return swapped[id(value)] if id(value) in swapped else torch.empty_like(value, device=self.device)
-            if isinstance(value, torch.device) and value.type == "meta":
-                return self.device
-            return value
-
-        result = op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+        target = self._view(op.target, fresh=_overwrites(op))
+        swapped = {id(op.target): target}
+        if op.source is not None:
+            swapped[id(op.source)] = self._source(op.source)
+        args, kwargs = _on_device(op, self.device, swapped)
+        result = op.func(*args, **kwargs)
         if op.kind == "create" or (op.kind == "copy" and result is not target):
             target.copy_(result)
-        for s in {op.storage, op.source_storage} - {None}:
-            if self.last_use.get(s) == op.seq:
-                self._close(s)
+        for storage, write_back in self.closes.get(op.seq, []):
+            self._close(storage, write_back)
 
     def _view(self, tensor: torch.Tensor, fresh: bool) -> torch.Tensor:
         s = storage_key(tensor)
@@ -412,8 +412,10 @@ class _Replay:
         live = held_tensor(self.plan.modules, self.plan.library_keys[s][0])
         return live.full_tensor() if isinstance(live, DTensor) else live
 
-    def _close(self, s: int) -> None:
+    def _close(self, s: int, write_back: bool) -> None:
         buffer = self.buffers.pop(s)
+        if not write_back:
+            return
         written: set[int] = set()
         for key in self.plan.replayed.get(s, []):
             live = held_tensor(self.plan.modules, key)
@@ -434,17 +436,23 @@ def _strided(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buffer.view(like.dtype).as_strided(like.size(), like.stride(), like.storage_offset())
 
 
-def _run_on_scratch(op: Op, device: torch.device) -> None:
-    """Run a recorded random op on scratch tensors of the same size: the stream advances as in an eager build."""
+def _overwrites(op: Op) -> bool:
+    """Whether ``op`` sets every element of its storage without reading them: it starts the storage afresh."""
+    return op.kind == "create" or op.overwrites or (op.kind == "copy" and op.whole)
+
+
+def _on_device(op: Op, device: torch.device, swapped: dict[int, torch.Tensor]) -> tuple[tuple, dict]:
+    """``op``'s arguments for running it on ``device``: its meta tensors replaced by their stand-ins in ``swapped`` (by
+    id), or by scratch tensors of their size (a draw into them advances the random stream as in an eager build)."""
 
     def real(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_meta:
-            return torch.empty(value.shape, dtype=value.dtype, device=device)
+            return swapped[id(value)] if id(value) in swapped else torch.empty_like(value, device=device)
         if isinstance(value, torch.device) and value.type == "meta":
             return device
         return value
 
-    op.func(*tree_map(real, op.args), **tree_map(real, op.kwargs))
+    return tree_map(real, op.args), tree_map(real, op.kwargs)
 
 
 class FullSizeParameters:
