@@ -3,13 +3,15 @@
 ``lightning_shard.hf.from_pretrained(AutoModelForCausalLM, path)`` in ``configure_model()`` builds the model on the
 meta device from ``path``'s ``config.json`` and works out which file tensor fills which model tensor, with
 transformers' own conversion mapping (:mod:`lightning_shard.hf.conversion`): a checkpoint that does not fill the model
-is refused there, before anything is sharded. After sharding, materialisation
-(:func:`lightning_shard.hf.init.initialize_hf_model`) calls :func:`load_pretrained_shards`: every rank reads only its
-own slices of the safetensors files, through torch.distributed.checkpoint's ``HuggingFaceStorageReader``, straight into
-its DTensor shards (as torchtitan loads HF weights), in the shards' dtype (the precision plugin's: fp32 under "-mixed"
-for a bf16 file); tensors that transformers fuses on load (MoE experts) are converted for the rank's rows only. No rank
-ever holds the whole model. What the files do not fill (non-persistent buffers such as rotary ``inv_freq``, a new head)
-gets transformers' init. A Lightning checkpoint given to ``fit(ckpt_path=...)`` is loaded after this and wins.
+is refused there, before anything is sharded. After sharding, materialisation (transformers' step of it,
+:mod:`lightning_shard.hf.init`) calls :func:`load_pretrained_shards` on the model as it was built (a wrapper such as
+peft's undone around it, so the planned names hold): every rank reads only its own slices of the safetensors files,
+through torch.distributed.checkpoint's ``HuggingFaceStorageReader``, straight into its DTensor shards (as torchtitan
+loads HF weights), in the shards' dtype (the precision plugin's: fp32 under "-mixed" for a bf16 file); tensors that
+transformers fuses on load (MoE experts) are converted for the rank's rows only. No rank ever holds the whole model.
+What the files do not fill (non-persistent buffers such as rotary ``inv_freq``, a new head) gets transformers' init.
+The tensors read and their files are noted (:mod:`lightning_shard.hf.frozen_weights`: frozen ones can be left out of
+checkpoints). A Lightning checkpoint given to ``fit(ckpt_path=...)`` is loaded after this and wins.
 """
 
 from __future__ import annotations
