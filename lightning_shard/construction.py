@@ -148,12 +148,24 @@ class ConstructionLog:
 
 
 def storage_key(tensor: torch.Tensor) -> int:
-    """The identity of ``tensor``'s storage: views, ``.data`` and the ``nn.Parameter`` made from a tensor share it."""
+    """The identity of ``tensor``'s storage: views, ``.data`` and the ``nn.Parameter`` made from a tensor share it.
+
+    Example:
+        >>> weight = torch.empty(2, 2, device="meta")
+        >>> storage_key(nn.Parameter(weight)) == storage_key(weight[0])
+        True
+    """
     return tensor.untyped_storage()._cdata
 
 
 def covers_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` spans its whole storage, contiguously."""
+    """Whether ``tensor`` spans its whole storage, contiguously.
+
+    Example:
+        >>> weight = torch.empty(2, 2, device="meta")
+        >>> covers_storage(weight), covers_storage(weight[1])
+        (True, False)
+    """
     return (
         tensor.storage_offset() == 0
         and tensor.is_contiguous()
@@ -223,13 +235,23 @@ def _recorded_init_function(original: Any, random: bool, log: ConstructionLog) -
 
 
 def construction_logs(root: nn.Module) -> list[ConstructionLog]:
-    """The logs recorded while ``root``'s modules were built (usually one; none if built outside a recording)."""
+    """The logs recorded while ``root``'s modules were built (usually one; none if built outside a recording).
+
+    Example:
+        >>> construction_logs(nn.Linear(2, 2))
+        []
+    """
     logs = {id(log): log for m in root.modules() if (log := m.__dict__.get(_LOG)) is not None}
     return list(logs.values())
 
 
 def forget_construction(root: nn.Module) -> None:
-    """Drop the logs from ``root``'s modules once materialised: they are replayed once."""
+    """Drop the logs from ``root``'s modules once materialised: they are replayed once.
+
+    Example:
+        >>> forget_construction(model); construction_logs(model)  # doctest: +SKIP
+        []
+    """
     for module in root.modules():
         module.__dict__.pop(_LOG, None)
 

@@ -176,7 +176,13 @@ def _holders(module: nn.Module) -> Iterator[tuple[HolderKey, torch.Tensor]]:
 
 
 def held_tensor(modules: dict[int, nn.Module], key: HolderKey) -> torch.Tensor:
-    """The tensor held at ``key`` now (``modules``: by id)."""
+    """The tensor held at ``key`` now (``modules``: by id).
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> held_tensor({id(layer): layer}, (id(layer), "_parameters", "bias")) is layer.bias
+        True
+    """
     module_id, table, name = key
     return modules[module_id].__dict__[table][name]
 

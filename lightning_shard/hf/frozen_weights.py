@@ -65,7 +65,11 @@ class _Loaded:
 
 
 def note_loaded(model: nn.Module, files: Iterable[str], tensors: list[torch.Tensor]) -> None:
-    """Remember that ``tensors`` of ``model`` were read from ``files`` (called by the pretrained loader)."""
+    """Remember that ``tensors`` of ``model`` were read from ``files`` (called by the pretrained loader).
+
+    Example:
+        >>> note_loaded(model, ["checkpoints/llama/model.safetensors"], loaded)  # doctest: +SKIP
+    """
     model.__dict__[_LOADED] = _Loaded(tuple(PretrainedFile.of(file) for file in sorted(set(files))), tensors)
 
 
@@ -89,7 +93,13 @@ def frozen_pretrained_weights(root: nn.Module) -> dict[str, tuple[PretrainedFile
 
 
 def checkpoint_record(weights: dict[str, tuple[PretrainedFile, ...]]) -> dict[str, Any]:
-    """What a checkpoint records under :data:`RECORD_KEY` about the ``weights`` it leaves out."""
+    """What a checkpoint records under :data:`RECORD_KEY` about the ``weights`` it leaves out.
+
+    Example:
+        >>> record = checkpoint_record({"lm_head.weight": (PretrainedFile("/m/model.safetensors", 1032, "3f1c"),)})
+        >>> record["parameters"], record["files"][0]["size"]
+        (['lm_head.weight'], 1032)
+    """
     files = sorted({file for group in weights.values() for file in group}, key=lambda file: file.path)
     return {"parameters": sorted(weights), "files": [asdict(file) for file in files]}
 
@@ -101,6 +111,10 @@ def names_to_skip_on_resume(path: str | os.PathLike, root: nn.Module) -> list[st
     Raises:
         CheckpointIntegrityError: naming the recorded files that this run did not read (missing) or read with
             another size or header (changed), or the left-out parameters this model did not read from files.
+
+    Example:
+        >>> names_to_skip_on_resume("out/last.ckpt", lightning_module)[:1]  # doctest: +SKIP
+        ['model.base_model.model.lm_head.weight']
     """
     record = _read_record(path)
     if record is None:

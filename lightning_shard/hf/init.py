@@ -126,7 +126,12 @@ def _put(parent: nn.Module, table: str, name: str, value: Any) -> None:
 
 
 class TransformersLibrary:
-    """transformers' models for :mod:`lightning_shard.materialize` (registered on import of this module)."""
+    """transformers' models for :mod:`lightning_shard.materialize` (registered on import of this module).
+
+    Example:
+        >>> TransformersLibrary().claim(nn.Linear(2, 2), [])
+        []
+    """
 
     def construction_context(self) -> AbstractContextManager[None]:
         return explain_meta_from_pretrained()
