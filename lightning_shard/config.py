@@ -46,6 +46,7 @@ class ShardingConfig:
     cpu_collectives: CpuCollectives = "gloo"
     compile: bool | Mapping[str, Any] = False
     gradient_accumulation: GradientAccumulation = "sharded"
+    save_frozen_pretrained_weights: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
@@ -74,8 +75,9 @@ class ShardingConfig:
                 "`cpu_offload=True` with `sharding_strategy='NO_SHARD'` would copy every whole parameter between CPU "
                 "and device each step; offload goes with sharding: use `sharding_strategy='FULL_SHARD'`."
             )
-        if not isinstance(self.forward_prefetch, bool):
-            raise TypeError(f"`forward_prefetch={self.forward_prefetch!r}` must be True or False.")
+        for name in ("forward_prefetch", "save_frozen_pretrained_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}={getattr(self, name)!r}` must be True or False.")
         rafp = self.reshard_after_forward
         if rafp is not None and not isinstance(rafp, (bool, int)):
             raise TypeError(f"`reshard_after_forward={rafp!r}` must be a bool, an int shard size, or None.")

@@ -58,6 +58,12 @@ from lightning_shard.config import (
 from lightning_shard.devices import collective_device, place_unmanaged_state, process_group_backend_for
 from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
+from lightning_shard.hf.frozen_weights import (
+    RECORD_KEY,
+    checkpoint_record,
+    frozen_pretrained_weights,
+    names_to_skip_on_resume,
+)
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
@@ -97,6 +103,11 @@ class ShardedStrategy(ParallelStrategy):
         hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
         reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
         state_dict_type: ``"sharded"`` (default: a torch.distributed.checkpoint directory) or ``"full"`` (one file).
+        save_frozen_pretrained_weights: ``False`` leaves out of checkpoints the frozen parameters read from pretrained
+            files by ``lightning_shard.hf.from_pretrained`` (a LoRA run's base model): a checkpoint then holds the
+            trainable parameters, optimizer and loop states, and records the files (path, size, safetensors header
+            hash). Resuming reads the base from the files again (``configure_model()`` does) and refuses files that
+            are missing or changed. See :mod:`lightning_shard.hf.frozen_weights`.
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
@@ -146,6 +157,7 @@ class ShardedStrategy(ParallelStrategy):
         hybrid_shard_size: int | None = None,
         reduce_dtype: torch.dtype | None = None,
         state_dict_type: StateDictType | None = None,
+        save_frozen_pretrained_weights: bool = True,
         async_save: bool = False,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
@@ -175,6 +187,7 @@ class ShardedStrategy(ParallelStrategy):
             cpu_collectives=cpu_collectives,
             compile=compile,
             gradient_accumulation=gradient_accumulation,
+            save_frozen_pretrained_weights=save_frozen_pretrained_weights,
             **settings,
         )
         if start_method not in _START_METHODS:
@@ -501,7 +514,16 @@ class ShardedStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return self.checkpoint_io.model_state(self.model, full=self.config.state_dict_type == "full")
+        leave_out = self._frozen_pretrained_weights_left_out()
+        return self.checkpoint_io.model_state(
+            self.model, full=self.config.state_dict_type == "full", leave_out=leave_out
+        )
+
+    def _frozen_pretrained_weights_left_out(self) -> dict[str, Any]:
+        if self.config.save_frozen_pretrained_weights:
+            return {}
+        assert self.model is not None
+        return frozen_pretrained_weights(self.model)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -514,6 +536,9 @@ class ShardedStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Every rank takes part: a sharded save writes each rank's shard, a full save gathers to rank 0.
         path = self.broadcast(str(filepath))
+        left_out = self._frozen_pretrained_weights_left_out()
+        if left_out:  # the state dict left them out; the checkpoint says which, and where they are read from
+            checkpoint = {**checkpoint, RECORD_KEY: checkpoint_record(left_out)}
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     @override
@@ -533,6 +558,7 @@ class ShardedStrategy(ParallelStrategy):
             [opt._optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers],
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            absent=names_to_skip_on_resume(path, self.model),
         )
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
         return checkpoint

@@ -46,6 +46,17 @@ PyTorchFileReader = torch._C.PyTorchFileReader
 CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
 HIDDEN_MODULE_NAMES = frozenset({CHECKPOINT_WRAPPED_MODULE, "_orig_mod"})
 
+
+def visible_name(name: str) -> str:
+    """A parameter's name as torch's state-dict API gives it: without the wrappers' module names.
+
+    Example:
+        >>> visible_name("layers.0._checkpoint_wrapped_module.attn.weight")
+        'layers.0.attn.weight'
+    """
+    return ".".join(part for part in name.split(".") if part not in HIDDEN_MODULE_NAMES)
+
+
 # The per-request hook of torch.distributed.checkpoint's ``HuggingFaceStorageReader.read_data``: a subclass that
 # overrides it reads each request its own way (lightning_shard.hf's slice reader).
 HF_READER_REQUEST_HOOK = "_process_read_request"

@@ -6,6 +6,11 @@ Example::
     lightning-shard export-hf out/hf_llama_tiny/checkpoints/last.ckpt out/hf_llama_tiny/finetuned \\
         --config out/hf_llama_tiny/pretrained
 
+    # LoRA adapters on the frozen base, small checkpoints (configs/hf_llama_tiny_lora.yaml)
+    python examples/hf/finetune.py fit --config configs/hf_llama_tiny_lora.yaml
+    lightning-shard export-hf out/hf_llama_tiny_lora/checkpoints/last.ckpt out/hf_llama_tiny_lora/merged \\
+        --config out/hf_llama_tiny/pretrained --merge-lora
+
 The first run writes a tiny random Llama to ``out/hf_llama_tiny/pretrained`` (``model.random_init``); every run
 loads it shard by shard (``lightning_shard.hf.from_pretrained``), trains, and saves a sharded checkpoint that
 ``lightning-shard export-hf`` turns back into a directory ``AutoModelForCausalLM.from_pretrained`` loads.
@@ -39,11 +44,18 @@ def main(args: list[str] | None = None) -> None:
     )
     saver = cli.trainer.checkpoint_callback
     if cli.subcommand == "fit" and cli.trainer.is_global_zero and saver is not None and saver.last_model_path:
-        last = Path(saver.last_model_path)
-        print(
-            f"\nExport to Hugging Face:\n  lightning-shard export-hf {last} {last.parent.parent / 'finetuned'} "
-            f"--config {cli.model.hparams.pretrained_path}"
-        )
+        last, pretrained = Path(saver.last_model_path), cli.model.hparams.pretrained_path
+
+        def export(name: str) -> str:
+            return f"lightning-shard export-hf {last} {last.parent.parent / name} --config {pretrained}"
+
+        if cli.model.hparams.lora is None:
+            print(f"\nExport to Hugging Face:\n  {export('finetuned')}")
+        else:
+            print(
+                "\nExport to Hugging Face, the base with the adapters merged into it, or the adapters alone (peft):\n"
+                f"  {export('merged')} --merge-lora\n  {export('adapter')} --adapter-only"
+            )
 
 
 if __name__ == "__main__":

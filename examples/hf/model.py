@@ -4,7 +4,8 @@ The HF model is created in ``configure_model()``: under the sharded strategy Lig
 the strategy shards the model, and each rank then reads only its slices of the pretrained safetensors, so no
 process ever holds the whole model. With no model at ``pretrained_path`` and a ``random_init`` config, the
 module first writes a randomly initialised model there (``prepare_data``: once per node, before any rank loads it),
-so the example runs without downloading anything.
+so the example runs without downloading anything. With ``lora`` (peft's ``LoraConfig`` arguments) the model is
+wrapped by ``peft.get_peft_model`` there too: only the adapters train, the base stays frozen.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class HFCausalLM(CausalLM):
         warmup_steps: int = 0,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -70,6 +72,8 @@ class HFCausalLM(CausalLM):
             warmup_steps: linear warm-up steps.
             max_steps: end of the cosine decay; ``None`` uses the Trainer's estimated total steps.
             min_lr_ratio: final learning rate as a fraction of the peak.
+            lora: ``peft.LoraConfig`` arguments (``{"r": 8, "target_modules": ["q_proj", "v_proj"]}``): train LoRA
+                adapters of a frozen base (``pip install peft``, in the ``[hf]`` extra); ``None``: the whole model.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -100,12 +104,16 @@ class HFCausalLM(CausalLM):
             return
         from transformers import AutoModelForCausalLM
 
-        self.model = lightning_shard.hf.from_pretrained(AutoModelForCausalLM, self.hparams.pretrained_path)
-        self.model.train()  # from_pretrained hands models over in eval mode (dropout off); this one is trained
+        model = lightning_shard.hf.from_pretrained(AutoModelForCausalLM, self.hparams.pretrained_path)
+        if self.hparams.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(**self.hparams.lora))
+        self.model = model.train()  # from_pretrained hands models over in eval mode (dropout off); this one is trained
 
     def on_fit_start(self) -> None:
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
-        model_vocab = self.model.config.vocab_size
+        model_vocab = self.model.config.vocab_size  # peft's model hands on its base model's config
         if data_vocab is not None and data_vocab > model_vocab:
             raise ValueError(
                 f"The data has {data_vocab} token ids but the model's vocabulary is {model_vocab}: tokenise with the "
@@ -117,6 +125,7 @@ class HFCausalLM(CausalLM):
         return self.model(input_ids=input_ids).logits
 
     def configure_optimizers(self) -> dict[str, Any]:
-        # Decay only the weight matrices, not biases or norms.
+        # Only what trains (under LoRA: the adapters; the frozen base gets no optimizer state), decaying only the
+        # weight matrices, not biases or norms.
         params = [p for p in self.parameters() if p.requires_grad]
         return self.adamw_warmup_cosine([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2])

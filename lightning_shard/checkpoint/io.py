@@ -24,6 +24,7 @@ import pickle
 import shutil
 import uuid
 import warnings
+from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
-from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element
+from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
@@ -108,9 +109,20 @@ class ShardedCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ state dicts
 
     @staticmethod
-    def model_state(model: nn.Module, full: bool) -> dict[str, Any]:
-        """The model's state dict: its DTensor shards, or (``full``) whole CPU tensors on rank 0, ``{}`` elsewhere."""
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    def model_state(model: nn.Module, full: bool, leave_out: Collection[str] = ()) -> dict[str, Any]:
+        """The model's state dict: its DTensor shards, or (``full``) whole CPU tensors on rank 0, ``{}`` elsewhere.
+
+        ``leave_out``: names of frozen parameters to leave out (pretrained weights the checkpoint does not hold); when
+        they are all the frozen parameters, they are not even gathered.
+        """
+        leave_out = set(leave_out)
+        frozen = (
+            {visible_name(name) for name, p in model.named_parameters() if not p.requires_grad} if leave_out else ()
+        )
+        ignore_frozen = bool(frozen) and frozen <= leave_out
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=ignore_frozen)
+        state = get_model_state_dict(model, options=options)
+        return {name: value for name, value in state.items() if name not in leave_out}
 
     @staticmethod
     def optimizer_state(model: nn.Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
@@ -242,9 +254,13 @@ class ShardedCheckpointIO(CheckpointIO):
         optimizers: list[Optimizer],
         strict: bool = True,
         weights_only: bool | None = None,
+        absent: Collection[str] = (),
     ) -> dict[str, Any]:
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
-        from a checkpoint of either format; return the rest of the checkpoint. Call on every rank."""
+        from a checkpoint of either format; return the rest of the checkpoint. Call on every rank.
+
+        ``absent``: model tensors the checkpoint leaves out on purpose (frozen pretrained weights, read from their
+        files): neither expected nor loaded; they keep their values."""
         path = _existing(path)
         optimizers = optimizers if optimizers and not weights_only else []
         # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
@@ -252,16 +268,19 @@ class ShardedCheckpointIO(CheckpointIO):
         # torch's own state-dict functions).
         with torch.no_grad(), gc_paused():
             if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
-                return self._load_sharded(path, model, optimizers, strict)
-            return self._load_full(path, model, optimizers, strict)
+                return self._load_sharded(path, model, optimizers, strict, set(absent))
+            return self._load_full(path, model, optimizers, strict, set(absent))
 
-    def _load_sharded(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
+    def _load_sharded(
+        self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool, absent: set[str]
+    ) -> dict:
         model_state, optimizer_states = _live_states(model, optimizers)
+        saved_state = {name: value for name, value in model_state.items() if name not in absent}
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
-        metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, model_state, strict))
+        metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, saved_state, strict))
         saved_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-        target: dict[str, Any] = {MODEL_KEY: model_state}
+        target: dict[str, Any] = {MODEL_KEY: saved_state}
         if optimizers:
             if OPTIMIZER_KEY not in saved_keys:
                 raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
@@ -274,13 +293,16 @@ class ShardedCheckpointIO(CheckpointIO):
         # Each rank plans and reads on its own (DCP's global load plan is each rank's own plan, unchanged), then one
         # agreement instead of DCP's three collectives: an error on any rank is raised on every rank.
         integrity.agreed(lambda: _load_without_collectives(target, reader, planner))
-        _set_live_states(model, optimizers, target.pop(MODEL_KEY), target.pop(OPTIMIZER_KEY, []), strict)
+        model_state.update(target.pop(MODEL_KEY))
+        _set_live_states(model, optimizers, model_state, target.pop(OPTIMIZER_KEY, []), strict)
         return target
 
-    def _load_full(self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool) -> dict:
+    def _load_full(
+        self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool, absent: set[str]
+    ) -> dict:
         # Rank 0 alone maps and checks the file (its data is read later, unit by unit); the others learn its
         # verdict before waiting in the broadcasts, and receive their shards without touching the file.
-        model_state = self.model_state(model, full=False)
+        model_state = self.model_state(model, full=False, leave_out=absent)
         checkpoint = integrity.agreed(
             lambda: integrity.load_full_that_fits(path, model_state, strict, mmap=True), rank() == 0
         )

@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.devices import collective_device
-from lightning_shard.torch_compat import HIDDEN_MODULE_NAMES, local_chunk
+from lightning_shard.torch_compat import local_chunk, visible_name
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,7 @@ def unit_key_groups(model: nn.Module, keys: Iterable[str]) -> list[list[str]]:
         [['weight', 'bias']]
     """
     prefixes = sorted(
-        {
-            _visible_name(name) + "."
-            for name, module in model.named_modules()
-            if isinstance(module, FSDPModule) and name
-        },
+        {visible_name(name) + "." for name, module in model.named_modules() if isinstance(module, FSDPModule) and name},
         key=len,
         reverse=True,
     )
@@ -145,10 +141,6 @@ def unit_key_groups(model: nn.Module, keys: Iterable[str]) -> list[list[str]]:
         owner = next((prefix for prefix in prefixes if key.startswith(prefix)), "")
         groups.setdefault(owner, []).append(key)
     return list(groups.values())
-
-
-def _visible_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in HIDDEN_MODULE_NAMES)
 
 
 def _describe(weights: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

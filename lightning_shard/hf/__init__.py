@@ -6,6 +6,7 @@ for ``PeftModel.from_pretrained``: :func:`export_adapter`).
 transformers, huggingface_hub and safetensors (``pip install 'lightning-shard[hf]'``) are imported only when used.
 """
 
+from lightning_shard.hf import init as _init  # noqa: F401  (registers transformers' init with the materialiser)
 from lightning_shard.hf.export import HFExport, export_adapter, export_hf
 from lightning_shard.hf.pretrained import from_pretrained
 

@@ -1,18 +1,24 @@
 """Hugging Face models built on the meta device, initialised as transformers initialises them.
 
-The rule (it extends :mod:`lightning_shard.materialize`): a ``transformers.PreTrainedModel`` in the tree is
-initialised, at its place in ``modules()`` order, by its own ``_initialize_weights`` / ``_init_weights``, module by
-module in transformers' order (``initialize_weights``: children before parents, nested ``PreTrainedModel``\\ s with
-their own init), on full-size tensors of one module at a time, from rank 0's random stream. ``_init_weights`` also
-recomputes the buffers a constructor computes (rotary ``inv_freq``), and the weights tied in the constructor
-(``tie_weights``) stay one parameter through sharding.
+The rule (it is the first step of :mod:`lightning_shard.materialize`'s): a ``transformers.PreTrainedModel`` in the tree
+is initialised where its constructor ended in an eager build (``post_init``), by its own ``_initialize_weights`` /
+``_init_weights``, module by module in transformers' order (``initialize_weights``: children before parents, nested
+``PreTrainedModel``\\ s with their own init where their own constructors ended), on full-size tensors of one module at
+a time, from rank 0's random stream. ``_init_weights`` also recomputes the buffers a constructor computes (rotary
+``inv_freq``), and the weights tied in the constructor (``tie_weights``) stay one parameter through sharding. A model
+built by :func:`lightning_shard.hf.from_pretrained` is loaded from its files first; the init covers the rest.
 
-An eager build draws twice: each constructor's torch init (``nn.Linear.reset_parameters``, GPT-2's ``Conv1D``)
-and then transformers' init at the end of each ``PreTrainedModel.__init__`` (``post_init``). On the meta device the
-constructors draw nothing, so :func:`record_constructor_draws` records those draws while the model is built and
-materialisation replays them, in order, into scratch tensors: for the same seed the weights and buffers equal an
-eager build on one process. (transformers' own meta-device loading does not replay them, so its random init of
-missing weights differs from an eager build.)
+transformers' init sees the model **as its constructors built it**: changes made to it afterwards - peft's
+``get_peft_model`` replacing ``q_proj`` by a ``lora.Linear`` that holds the original as ``base_layer``, a user's own
+adapters or heads put into it - are undone around the init and the load (:class:`AsBuilt`), so the original modules
+are initialised (and named, for the files) as in an eager build, and the modules a wrapper added are left to their own
+library's init (replayed by :mod:`lightning_shard.materialize`: peft's LoRA A ``kaiming_uniform_``, B zero).
+
+An eager build draws twice: each constructor's torch init (``nn.Linear.reset_parameters``, GPT-2's ``Conv1D``) and
+then transformers' init in ``post_init``. On the meta device transformers skips its init and the constructors' draws
+compute nothing; materialisation replays those draws into scratch tensors, so for the same seed the weights and buffers
+equal an eager build on one process. (transformers' own meta-device loading does not replay them, so its random init
+of missing weights differs from an eager build.)
 
 transformers stays optional: nothing here imports it; a model is a ``PreTrainedModel`` only if transformers is
 already imported and says so.
@@ -20,22 +26,18 @@ already imported and says so.
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from functools import cache
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_shard.torch_compat import TorchDispatchMode, draws_random_numbers, tree_map
-
-if TYPE_CHECKING:
-    from lightning_shard.materialize import FullSizeParameters
-
-# Set on a PreTrainedModel built under `record_constructor_draws`: its constructors' random draws, in order.
-_DRAWS = "_lightning_shard_constructor_draws"
+from lightning_shard.construction import ABSENT, ConstructionLog, Registration
+from lightning_shard.hf.pretrained import explain_meta_from_pretrained, load_pretrained_shards, planned_load
+from lightning_shard.materialize import FullSizeParameters, LibraryModel, register_library
 
 
 def pretrained_model_class() -> type | None:
@@ -81,129 +83,127 @@ def outermost_pretrained_models(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-@contextmanager
-def record_constructor_draws() -> Iterator[None]:
-    """Record the random draws that ``PreTrainedModel`` constructors make on the meta device (see module docstring).
+class AsBuilt:
+    """Undoes, while entered, the changes made to a model after its constructor returned (its submodules,
+    parameters and buffers replaced or added from outside, as peft's ``get_peft_model`` does), then redoes them.
 
     Example:
-        >>> with torch.device("meta"), record_constructor_draws():
-        ...     layer = nn.Linear(2, 2)  # not inside a PreTrainedModel: nothing is recorded
+        >>> with AsBuilt(model, logs):  # doctest: +SKIP
+        ...     model.model.layers[0].self_attn.q_proj  # the Linear transformers built, not peft's lora.Linear
     """
-    recorder = _DrawRecorder()
-    with recorder:
-        yield
-    by_model: dict[int, list[tuple[Any, ...]]] = {}
-    for func, args, kwargs, chain in recorder.events:
-        by_model.setdefault(id(chain[0]), []).append((func, args, kwargs, tuple(id(m) for m in chain)))
-    for model in recorder.models.values():
-        model.__dict__[_DRAWS] = by_model.get(id(model), [])
+
+    def __init__(self, model: nn.Module, logs: list[ConstructionLog]) -> None:
+        registrations = sorted((r for log in logs for r in log.registrations), key=lambda r: r.seq)
+        built = {id(model)}
+        for registration in registrations:
+            if isinstance(registration.new, nn.Module) and any(m is model for m in registration.constructing):
+                built.add(id(registration.new))
+        self.edits: list[Registration] = [
+            r for r in registrations if id(r.parent) in built and not any(m is model for m in r.constructing)
+        ]
+        self._saved: list[tuple[Registration, Any]] = []
+
+    def __enter__(self) -> None:
+        for edit in reversed(self.edits):
+            self._saved.append((edit, edit.parent.__dict__[edit.table].get(edit.name, ABSENT)))
+            _put(edit.parent, edit.table, edit.name, edit.old)
+
+    def __exit__(self, *exc: object) -> None:
+        saved, self._saved = self._saved, []
+        for edit, value in reversed(saved):
+            _put(edit.parent, edit.table, edit.name, value)
 
 
-class _DrawRecorder(TorchDispatchMode):
-    """Notes every random op on a meta tensor made while a ``PreTrainedModel.__init__`` runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[tuple[Any, tuple, dict, tuple[nn.Module, ...]]] = []
-        self.models: dict[int, nn.Module] = {}  # the outermost models built
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if _draws_random_numbers(func) and isinstance(out, torch.Tensor) and out.is_meta:
-            chain = _pretrained_models_under_construction()
-            if chain:
-                self.events.append((func, args, kwargs, chain))
-                self.models[id(chain[0])] = chain[0]
-        return out
+def _put(parent: nn.Module, table: str, name: str, value: Any) -> None:
+    if value is ABSENT:
+        delattr(parent, name)
+    elif table == "_modules":
+        parent.register_module(name, value)
+    elif table == "_parameters":
+        parent.register_parameter(name, value)
+    else:
+        parent.register_buffer(name, value, persistent=name not in parent._non_persistent_buffers_set)
 
 
-_draws_random_numbers = cache(draws_random_numbers)
+class TransformersLibrary:
+    """transformers' models for :mod:`lightning_shard.materialize` (registered on import of this module).
 
-
-def _pretrained_models_under_construction() -> tuple[nn.Module, ...]:
-    """The ``PreTrainedModel``\\ s whose ``__init__`` is on the call stack, outermost first."""
-    cls = pretrained_model_class()
-    if cls is None:
-        return ()
-    chain: list[nn.Module] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__init__":
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, cls) and not any(obj is m for m in chain):
-                chain.append(obj)
-        frame = frame.f_back
-    return tuple(reversed(chain))
-
-
-def initialize_hf_model(model: nn.Module, device: torch.device, swap: FullSizeParameters) -> None:
-    """Initialise the sharded, freshly allocated ``model`` (a ``PreTrainedModel``) as transformers would: load its
-    pretrained files when it was built by :func:`lightning_shard.hf.from_pretrained`, then run transformers' init
-    for everything not loaded (replaying the constructors' draws first when nothing is loaded).
-
-    Raises:
-        RuntimeError: naming a tensor that transformers' init leaves uninitialised.
+    Example:
+        >>> TransformersLibrary().claim(nn.Linear(2, 2), [])
+        []
     """
-    from lightning_shard.hf.pretrained import load_pretrained_shards  # the loader needs DCP; keep this light
 
-    draws = model.__dict__.pop(_DRAWS, [])
-    buffers = [(name, b) for name, b in model.named_buffers() if b.is_floating_point()]
-    with torch.no_grad():
-        for _, buffer in buffers:
-            buffer.fill_(float("nan"))  # so that a buffer transformers' init does not compute is caught below
-    loaded = load_pretrained_shards(model)
-    if loaded:
-        draws = []  # as transformers' from_pretrained: missing weights are drawn from the current stream
-    hf_swap = swap.with_policy("nan", keep=lambda p: getattr(p, "_is_hf_initialized", False))
-    members = {id(m): m for m in model.modules()}
-    with torch.no_grad(), _guard_torch_init_functions():
-        for step in _init_steps(model, draws):
-            if isinstance(step, int):
-                _initialize_like_transformers(members[step], hf_swap)
-            else:
-                _replay_draw(*step, device=device)
-    unset = [name for name, buffer in buffers if bool(buffer.isnan().any())]
-    if unset:
-        raise RuntimeError(
-            f"{type(model).__name__} was built on the meta device, but its `_init_weights` does not compute these "
-            f"buffers: {unset}. Build the model in `__init__` instead of `configure_model()`."
-        )
+    def construction_context(self) -> AbstractContextManager[None]:
+        return explain_meta_from_pretrained()
+
+    def claim(self, root: nn.Module, logs: list[ConstructionLog]) -> list[LibraryModel]:
+        ends = {key: value for log in logs for key, value in log.constructor_ends().items()}
+        return [_TransformersModel(model, logs, ends).library_model() for model in outermost_pretrained_models(root)]
 
 
-def _init_steps(model: nn.Module, draws: list[tuple[Any, ...]]) -> list[Any]:
-    """The eager build's order: replay a draw (a tuple), or run one model's transformers init (its id).
+class _TransformersModel:
+    """One outermost ``PreTrainedModel`` as built: its tensors, and the steps that initialise it where an eager build
+    did (each nested model where its constructor ended; a pretrained one loaded and initialised in one step)."""
 
-    Each ``PreTrainedModel``'s init runs where its constructor ended: before the first draw made outside it.
-    """
-    steps: list[Any] = []
-    done: set[int] = set()
-    open_chain: tuple[int, ...] = ()
-    for func, args, kwargs, chain in draws:
-        for model_id in reversed(open_chain):
-            if model_id not in chain and model_id not in done:
-                steps.append(model_id)
-                done.add(model_id)
-        steps.append((func, args, kwargs))
-        open_chain = chain
-    for model_id in (*reversed(open_chain), id(model)):
-        if model_id not in done:
-            steps.append(model_id)
-            done.add(model_id)
-    return steps
+    def __init__(self, model: nn.Module, logs: list[ConstructionLog], ends: dict[int, float]) -> None:
+        self.model = model
+        self.as_built = AsBuilt(model, logs)
+        with self.as_built:
+            members = list(model.modules())
+            self.tensors = {
+                (id(m), table, name)
+                for m in members
+                for table in ("_parameters", "_buffers")
+                for name, t in m.__dict__[table].items()
+                if t is not None
+            }
+            nested = [m for m in members if is_pretrained_model(m)]
+        self.planned = planned_load(model)
+        # transformers' order: a nested model's init where its constructor ended, the outermost one's last
+        self.inits = sorted(nested, key=lambda m: (ends.get(id(m), math.inf), m is model))
+        self.positions = [ends.get(id(m), math.inf) for m in self.inits]
+        self.hf_swap: FullSizeParameters | None = None
+        self.buffers: list[tuple[str, torch.Tensor]] = []
 
+    def library_model(self) -> LibraryModel:
+        if self.planned or math.inf in self.positions:
+            steps = [(self.positions[-1], self._all_steps)]
+        else:
+            steps = [(p, self._step(i)) for i, p in enumerate(self.positions)]
+        constructions = {id(m) for m in self.inits}
+        return LibraryModel(self.model, self.tensors, constructions, replays_draws=not self.planned, steps=steps)
 
-def _replay_draw(func: Any, args: tuple, kwargs: dict, device: torch.device) -> None:
-    """Run a recorded random op on scratch tensors of the same size: the stream advances as in an eager build."""
+    def _all_steps(self, swap: FullSizeParameters) -> None:
+        for index in range(len(self.inits)):
+            self._step(index)(swap)
 
-    def real(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_meta:
-            return torch.empty(value.shape, dtype=value.dtype, device=device)
-        if isinstance(value, torch.device) and value.type == "meta":
-            return device
-        return value
+    def _step(self, index: int) -> Callable[[FullSizeParameters], None]:
+        def step(swap: FullSizeParameters) -> None:
+            with self.as_built, _guard_torch_init_functions():
+                if index == 0:
+                    self._prepare(swap)
+                assert self.hf_swap is not None
+                _initialize_like_transformers(self.inits[index], self.hf_swap)
+                if index == len(self.inits) - 1:
+                    self._check_buffers()
 
-    func(*tree_map(real, args), **tree_map(real, kwargs))
+        return step
+
+    def _prepare(self, swap: FullSizeParameters) -> None:
+        """NaN in the floating buffers (to catch one transformers' init does not compute), then the files."""
+        self.buffers = [(name, b) for name, b in self.model.named_buffers() if b.is_floating_point()]
+        for _, buffer in self.buffers:
+            buffer.fill_(float("nan"))
+        load_pretrained_shards(self.model)
+        self.hf_swap = swap.with_policy("nan", keep=lambda p: getattr(p, "_is_hf_initialized", False))
+
+    def _check_buffers(self) -> None:
+        unset = [name for name, buffer in self.buffers if bool(buffer.isnan().any())]
+        if unset:
+            raise RuntimeError(
+                f"{type(self.model).__name__} was built on the meta device, but its `_init_weights` does not compute "
+                f"these buffers: {unset}. Build the model in `__init__` instead of `configure_model()`."
+            )
 
 
 def _initialize_like_transformers(model: nn.Module, swap: FullSizeParameters) -> None:
@@ -230,3 +230,6 @@ def _guard_torch_init_functions() -> Any:
     """transformers' guard around ``initialize_weights``: torch's init functions skip tensors already loaded."""
     guard = getattr(sys.modules.get("transformers.initialization"), "guard_torch_init_functions", None)
     return guard() if guard is not None else nullcontext()
+
+
+register_library(TransformersLibrary())

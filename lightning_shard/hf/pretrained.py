@@ -3,13 +3,15 @@
 ``lightning_shard.hf.from_pretrained(AutoModelForCausalLM, path)`` in ``configure_model()`` builds the model on the
 meta device from ``path``'s ``config.json`` and works out which file tensor fills which model tensor, with
 transformers' own conversion mapping (:mod:`lightning_shard.hf.conversion`): a checkpoint that does not fill the model
-is refused there, before anything is sharded. After sharding, materialisation
-(:func:`lightning_shard.hf.init.initialize_hf_model`) calls :func:`load_pretrained_shards`: every rank reads only its
-own slices of the safetensors files, through torch.distributed.checkpoint's ``HuggingFaceStorageReader``, straight into
-its DTensor shards (as torchtitan loads HF weights), in the shards' dtype (the precision plugin's: fp32 under "-mixed"
-for a bf16 file); tensors that transformers fuses on load (MoE experts) are converted for the rank's rows only. No rank
-ever holds the whole model. What the files do not fill (non-persistent buffers such as rotary ``inv_freq``, a new head)
-gets transformers' init. A Lightning checkpoint given to ``fit(ckpt_path=...)`` is loaded after this and wins.
+is refused there, before anything is sharded. After sharding, materialisation (transformers' step of it,
+:mod:`lightning_shard.hf.init`) calls :func:`load_pretrained_shards` on the model as it was built (a wrapper such as
+peft's undone around it, so the planned names hold): every rank reads only its own slices of the safetensors files,
+through torch.distributed.checkpoint's ``HuggingFaceStorageReader``, straight into its DTensor shards (as torchtitan
+loads HF weights), in the shards' dtype (the precision plugin's: fp32 under "-mixed" for a bf16 file); tensors that
+transformers fuses on load (MoE experts) are converted for the rank's rows only. No rank ever holds the whole model.
+What the files do not fill (non-persistent buffers such as rotary ``inv_freq``, a new head) gets transformers' init.
+The tensors read and their files are noted (:mod:`lightning_shard.hf.frozen_weights`: frozen ones can be left out of
+checkpoints). A Lightning checkpoint given to ``fit(ckpt_path=...)`` is loaded after this and wins.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_shard.hf.conversion import LoadPlan, load_converted, plan_load
+from lightning_shard.hf.frozen_weights import note_loaded
 from lightning_shard.hf.safetensors_files import slice_reader_class, stored_tensors
 
 # Set on a model built by `from_pretrained` on the meta device: the `LoadPlan` of its weights.
@@ -96,11 +99,19 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     return model
 
 
+def planned_load(model: nn.Module) -> bool:
+    """Whether ``model`` was built by :func:`from_pretrained` on the meta device and awaits its files."""
+    return _PRETRAINED in model.__dict__
+
+
 def load_pretrained_shards(model: nn.Module) -> bool:
     """Load the files planned by :func:`from_pretrained` into ``model``'s shards; ``False`` if none were planned.
 
-    Every tensor read is flagged ``_is_hf_initialized`` (as transformers flags loaded weights), so the init that
-    follows leaves it alone. Call on every rank, after sharding and allocation.
+    The names are those ``model`` had when :func:`from_pretrained` built it: a wrapper that changed the model since
+    (peft's ``lora.Linear`` holding ``q_proj`` as ``base_layer``) is undone around the load by the caller
+    (:class:`lightning_shard.hf.init.AsBuilt`). Every tensor read is flagged ``_is_hf_initialized`` (as transformers
+    flags loaded weights), so the init that follows leaves it alone. Call on every rank, after sharding and
+    allocation.
     """
     plan: LoadPlan | None = model.__dict__.pop(_PRETRAINED, None)
     if plan is None:
@@ -110,12 +121,15 @@ def load_pretrained_shards(model: nn.Module) -> bool:
     tensors = model.state_dict(keep_vars=True)
     first_key: dict[int, str] = {}  # a weight stored under two tied names is read once
     for key, name in plan.renamed.items():
-        first_key.setdefault(id(tensors[name]), key)
+        if not tensors[name].is_meta:  # a module the wrapper dropped from the model (not sharded): nothing to fill
+            first_key.setdefault(id(tensors[name]), key)
     targets = {key: tensors[plan.renamed[key]] for key in first_key.values()}
     if targets:
         dcp.load(targets, storage_reader=_reader(plan.path))
-    for tensor in [*targets.values(), *load_converted(model, plan)]:
+    loaded = [*targets.values(), *load_converted(model, plan)]
+    for tensor in loaded:
         tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    note_loaded(model, {stored.file for stored in plan.stored.values() if stored.file}, loaded)
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if own and all(getattr(t, "_is_hf_initialized", False) for t in own):

@@ -1,0 +1,171 @@
+"""Frozen pretrained weights left out of checkpoints: a LoRA run's base model, read from its files again on resume.
+
+With ``ShardedStrategy(save_frozen_pretrained_weights=False)`` a checkpoint (sharded or full) leaves out every
+parameter that is frozen (``requires_grad=False``) and was read from pretrained files by
+:func:`lightning_shard.hf.from_pretrained` - a LoRA run's whole base model - so it holds the trainable parameters,
+buffers, optimizer and loop states. It records (under :data:`RECORD_KEY`) the names left out and the files they were
+read from: path, size and a SHA-256 of the safetensors header of each. Resuming builds the model as before
+(``configure_model()`` reads the base from the files again); :func:`names_to_skip_on_resume` checks that this run read
+the same files (by name, size and header) and returns the names the checkpoint does not hold, which the checkpoint IO
+then neither expects nor loads. Training does not change frozen parameters, so the resumed model equals the saved one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zipfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.io import is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.ranks import broadcast_object, rank
+from lightning_shard.torch_compat import visible_name
+
+# The checkpoint entry that names the weights left out and their files.
+RECORD_KEY = "frozen_pretrained_weights"
+# Set on a model loaded by `load_pretrained_shards`: its `_Loaded` record.
+_LOADED = "_lightning_shard_loaded_files"
+
+
+@dataclass(frozen=True)
+class PretrainedFile:
+    """A safetensors file as a checkpoint records it.
+
+    Example:
+        >>> PretrainedFile.of("checkpoints/llama/model.safetensors")  # doctest: +SKIP
+        PretrainedFile(path='/.../model.safetensors', size=1032, header_sha256='3f1c...')
+    """
+
+    path: str
+    size: int
+    header_sha256: str
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> PretrainedFile:
+        path = Path(path).resolve()
+        with open(path, "rb") as handle:
+            length_bytes = handle.read(8)
+            (length,) = struct.unpack("<Q", length_bytes)
+            header = handle.read(length)
+        return cls(str(path), path.stat().st_size, hashlib.sha256(length_bytes + header).hexdigest())
+
+
+@dataclass(eq=False)
+class _Loaded:
+    files: tuple[PretrainedFile, ...]
+    tensors: list[torch.Tensor]
+
+
+def note_loaded(model: nn.Module, files: Iterable[str], tensors: list[torch.Tensor]) -> None:
+    """Remember that ``tensors`` of ``model`` were read from ``files`` (called by the pretrained loader).
+
+    Example:
+        >>> note_loaded(model, ["checkpoints/llama/model.safetensors"], loaded)  # doctest: +SKIP
+    """
+    model.__dict__[_LOADED] = _Loaded(tuple(PretrainedFile.of(file) for file in sorted(set(files))), tensors)
+
+
+def frozen_pretrained_weights(root: nn.Module) -> dict[str, tuple[PretrainedFile, ...]]:
+    """The frozen parameters of ``root`` read from pretrained files, by state-dict name, with those files.
+
+    Example:
+        >>> list(frozen_pretrained_weights(lora_module))[:1]  # doctest: +SKIP
+        ['model.base_model.model.model.embed_tokens.weight']
+    """
+    files_of: dict[int, tuple[PretrainedFile, ...]] = {}
+    for module in root.modules():
+        loaded: _Loaded | None = module.__dict__.get(_LOADED)
+        if loaded is not None:
+            files_of.update({id(tensor): loaded.files for tensor in loaded.tensors})
+    return {
+        visible_name(name): files_of[id(param)]
+        for name, param in root.named_parameters(remove_duplicate=False)
+        if not param.requires_grad and id(param) in files_of
+    }
+
+
+def checkpoint_record(weights: dict[str, tuple[PretrainedFile, ...]]) -> dict[str, Any]:
+    """What a checkpoint records under :data:`RECORD_KEY` about the ``weights`` it leaves out.
+
+    Example:
+        >>> record = checkpoint_record({"lm_head.weight": (PretrainedFile("/m/model.safetensors", 1032, "3f1c"),)})
+        >>> record["parameters"], record["files"][0]["size"]
+        (['lm_head.weight'], 1032)
+    """
+    files = sorted({file for group in weights.values() for file in group}, key=lambda file: file.path)
+    return {"parameters": sorted(weights), "files": [asdict(file) for file in files]}
+
+
+def names_to_skip_on_resume(path: str | os.PathLike, root: nn.Module) -> list[str]:
+    """The names the checkpoint at ``path`` leaves out (none for a checkpoint without the record), once checked
+    against what this run read from pretrained files; call on every rank (every rank raises the same error).
+
+    Raises:
+        CheckpointIntegrityError: naming the recorded files that this run did not read (missing) or read with
+            another size or header (changed), or the left-out parameters this model did not read from files.
+
+    Example:
+        >>> names_to_skip_on_resume("out/last.ckpt", lightning_module)[:1]  # doctest: +SKIP
+        ['model.base_model.model.lm_head.weight']
+    """
+    record = _read_record(path)
+    if record is None:
+        return []
+    integrity.agreed(lambda: _check(path, record, frozen_pretrained_weights(root)))
+    return list(record["parameters"])
+
+
+def _check(path: str | os.PathLike, record: dict[str, Any], current: dict[str, tuple[PretrainedFile, ...]]) -> None:
+    not_read = sorted(set(record["parameters"]) - set(current))
+    if not_read:
+        raise integrity.CheckpointIntegrityError(
+            f"The checkpoint {path} leaves out {len(record['parameters'])} frozen pretrained parameters, to be read "
+            f"from their files, but this model did not read {len(not_read)} of them from pretrained files "
+            f"({not_read[:4]}...). "
+            "Build it in `configure_model()` with `lightning_shard.hf.from_pretrained` on the same files."
+        )
+    read = {Path(file.path).name: file for group in current.values() for file in group}
+    missing, changed = [], []
+    for saved in (PretrainedFile(**file) for file in record["files"]):
+        now = read.get(Path(saved.path).name)
+        if now is None:
+            missing.append(saved.path)
+        elif (now.size, now.header_sha256) != (saved.size, saved.header_sha256):
+            changed.append(f"{now.path} ({now.size} bytes; the checkpoint's was {saved.size} bytes)")
+    if missing or changed:
+        problems = ([f"missing (not read by this run): {missing}"] if missing else []) + (
+            [f"changed since the checkpoint was saved (size or safetensors header): {changed}"] if changed else []
+        )
+        raise integrity.CheckpointIntegrityError(
+            f"The checkpoint {path} leaves out the frozen pretrained weights, to be read again from the files it "
+            f"records, but files are {'; '.join(problems)}. Point `from_pretrained` at the original files (the "
+            f"checkpoint's `{RECORD_KEY}` entry lists them), or resume from a checkpoint saved with "
+            "`save_frozen_pretrained_weights=True`."
+        )
+
+
+def _read_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint's record; a damaged checkpoint raises on every rank."""
+    if is_sharded_checkpoint(path):
+        metadata = integrity.agreed(lambda: integrity.read_metadata(path))
+        assert metadata is not None
+        if RECORD_KEY not in metadata.state_dict_metadata:
+            return None
+        return read_sharded_keys(path, {RECORD_KEY})[RECORD_KEY]  # every rank: DCP's read is collective
+
+    def read_full() -> dict[str, Any] | None:
+        if not Path(path).is_file():
+            return None  # the checkpoint IO names a missing checkpoint
+        mmap = zipfile.is_zipfile(path)  # torch's legacy format cannot be mapped
+        checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
+        return checkpoint.get(RECORD_KEY) if isinstance(checkpoint, dict) else None
+
+    return broadcast_object(integrity.agreed(read_full, here=rank() == 0))
