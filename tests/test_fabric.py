@@ -257,3 +257,21 @@ def test_setup_points_optimizers_at_the_sharded_parameters(strategy: ShardedStra
         strategy.setup_module_and_optimizers(nn.Linear(2, 2), [stepped])
     with pytest.raises(ValueError, match="holds a parameter that is not the model's"):
         strategy.setup_module_and_optimizers(nn.Linear(2, 2), [torch.optim.SGD(nn.Linear(2, 2).parameters())])
+
+
+# ---------------------------------------------------------------- the example
+
+
+def test_fabric_example_trains_saves_and_resumes(tmp_path: Path) -> None:
+    small = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4"]
+    small += ["--max-bytes", "50000", "--log-every", "1", "--save-every", "3", "--out", str(tmp_path)]
+    first = run_script("examples/fabric/train.py", "--max-steps", "6", *small, timeout=240)
+    losses = [float(line.split()[-1]) for line in first.splitlines() if line.startswith("step ")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert "--- sample ---" in first
+    assert (tmp_path / "last.ckpt" / ".metadata").is_file()  # sharded, written at steps 3 and 6
+    resumed = run_script(
+        "examples/fabric/train.py", "--max-steps", "8", "--resume", str(tmp_path / "last.ckpt"), *small
+    )
+    assert "resumed from" in resumed and "at step 6" in resumed
+    assert [line.split()[1] for line in resumed.splitlines() if line.startswith("step ")] == ["7", "8"]
