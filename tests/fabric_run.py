@@ -338,8 +338,31 @@ def run_resume(args: argparse.Namespace) -> None:
         result[f"back_{state_dict_type}"] = _trainer_validate(
             args, state_dict_type, args.resume / f"fabric-{state_dict_type}.ckpt"
         )
+    result["filtered"] = _filtered_save(args)
     result["errors"] = _load_errors(args)
     save(fabric, args.out, "resume", result)
+
+
+def _filtered_save(args: argparse.Namespace) -> dict[str, Any]:
+    """``fabric.save(..., filter=...)`` leaves out the first block's weights; a non-strict load keeps the target's."""
+    models = {}
+    for seed in (0, 5):
+        fabric = make_fabric(args)
+        fabric.seed_everything(seed, verbose=False)
+        model = GPT(**TINY_GPT)
+        with fabric.init_module(empty_init=True):
+            model.configure_model()
+        models[seed] = fabric.setup(model)
+    before = {seed: full_weights(model) for seed, model in models.items()}
+    path = args.out / "filtered.ckpt"
+    fabric.save(path, {"model": models[0]}, filter={"model": lambda name, value: ".h.0." not in name})
+    fabric.load(path, {"model": models[5]}, strict=False)
+    try:
+        fabric.load(path, {"model": models[5]})
+        strict_error = ""
+    except Exception as error:  # recorded for the test
+        strict_error = f"{type(error).__name__}: {error}"
+    return {"saved": before[0], "target": before[5], "loaded": full_weights(models[5]), "strict_error": strict_error}
 
 
 def _load_errors(args: argparse.Namespace) -> dict[str, str]:

@@ -1,9 +1,10 @@
 """``Fabric(strategy="fully_sharded")``: Fabric training loops on 2 ranks against plain Fabric on one process.
 
-Three launches of ``tests/fabric_run.py`` serve every multi-process test here (about 75 s on 2 cores): the 2-rank
-runs of all scenarios, the one-process reference (Fabric's single-device strategy on the whole global batch), and
-one process on the strategy that resumes from the 2-rank run's checkpoints. Tolerance 1e-5 for fp32 (measured:
-at most 1e-6 for losses, 3e-7 for weights); the Trainer -> Fabric continuation is exact.
+Three launches of ``tests/fabric_run.py`` serve every multi-process test but the example's (70-100 s on the shared
+2 cores): the 2-rank runs of all scenarios, the one-process reference (Fabric's single-device strategy on the whole
+global batch), and one process on the strategy that resumes from the 2-rank run's checkpoints. Tolerance 1e-5 for
+fp32 (measured: at most 1e-6 for losses, 3e-7 for weights); resumed runs and the Trainer -> Fabric continuation are
+exact.
 """
 
 from __future__ import annotations
@@ -103,21 +104,21 @@ def test_collectives(runs: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("scenario", "compute", "stored"),
+    ("scenario", "compute", "stored", "tolerance"),
     [
-        ("bf16_mixed", "torch.bfloat16", "torch.float32"),
-        ("fp16_mixed", "torch.float16", "torch.float32"),
-        ("bf16_true", "torch.bfloat16", "torch.bfloat16"),
+        # against the fp32 losses over 8 micro-batches; measured on torch 2.13 / 2.11:
+        ("bf16_mixed", "torch.bfloat16", "torch.float32", 2e-2),  # 1.2e-4 on both
+        ("fp16_mixed", "torch.float16", "torch.float32", 2e-2),  # 1.8e-5 on both
+        ("bf16_true", "torch.bfloat16", "torch.bfloat16", 5e-2),  # 2.9e-4 / 2.1e-2: every update rounded to bf16
     ],
 )
 def test_precision_strings_map_to_fsdp_mixed_precision(
-    runs: dict[str, Path], scenario: str, compute: str, stored: str
+    runs: dict[str, Path], scenario: str, compute: str, stored: str, tolerance: float
 ) -> None:
     run, fp32 = load(runs, "two", scenario), load(runs, "ref", "gpt")
     assert run["forward_dtypes"] == {"input": compute, "weight": compute}  # inside the FSDP unit
     assert run["stored_dtype"] == stored  # the sharded parameters the optimizer updates
-    # 16-bit rounding over 8 micro-batches: 2e-2 bounds it (measured 3e-3)
-    assert run["losses"] == pytest.approx(fp32["losses"], abs=2e-2)
+    assert run["losses"] == pytest.approx(fp32["losses"], abs=tolerance)
 
 
 def test_compile_per_block_survives_fabrics_whole_model_compile(runs: dict[str, Path]) -> None:
@@ -143,6 +144,15 @@ def test_trainer_checkpoint_loads_into_fabric_and_back(runs: dict[str, Path], st
     assert max_weight_diff(run["back_weights"], run["fabric_weights"]) == 0.0
     one = load(runs, "one", "resume")[f"back_{state_dict_type}"]
     assert max_weight_diff(one, run["fabric_weights"]) == 0.0
+
+
+def test_a_filtered_save_loads_non_strictly(runs: dict[str, Path]) -> None:
+    filtered = load(runs, "one", "resume")["filtered"]
+    saved, target, loaded = filtered["saved"], filtered["target"], filtered["loaded"]
+    for name, value in loaded.items():
+        expected = target[name] if ".h.0." in name else saved[name]  # left out of the checkpoint: kept
+        assert torch.equal(value, expected), name
+    assert "missing keys" in filtered["strict_error"] and "transformer.h.0." in filtered["strict_error"]
 
 
 def test_damaged_or_mismatched_checkpoints_raise_before_loading(runs: dict[str, Path]) -> None:
