@@ -57,7 +57,8 @@ class StateLayout:
         """Where a checkpoint saved in ``saved`` keeps the states of this layout's first ``count`` optimizers.
 
         Raises:
-            KeyError: a Fabric optimizer key the Fabric checkpoint does not hold.
+            KeyError: a Fabric optimizer key the Fabric checkpoint does not hold, or fewer optimizers than ``count``
+                in a Fabric checkpoint.
         """
         if isinstance(self.optimizers, tuple) and isinstance(saved.optimizers, tuple):
             missing = [key for key in self.optimizers[:count] if key not in saved.optimizers]
@@ -66,7 +67,10 @@ class StateLayout:
                     f"The checkpoint holds no optimizer states under {missing}; it holds {list(saved.optimizers)}."
                 )
             return [(key,) for key in self.optimizers[:count]]
-        return saved.optimizer_paths(count)
+        paths = saved.optimizer_paths(count)
+        if len(paths) < count:
+            raise KeyError(f"The checkpoint holds the states of {len(paths)} optimizer(s), not of {count}.")
+        return paths
 
     def record(self) -> dict[str, Any]:
         """What is saved under :data:`LAYOUT_KEY`: plain values, readable without lightning_shard."""
