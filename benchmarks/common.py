@@ -12,6 +12,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,52 @@ def _git(*args: str) -> str:
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident set (Linux ``ru_maxrss`` is KiB)."""
     return max(psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def status_mib(*fields: str) -> dict[str, float]:
+    """``fields`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ``RssAnon``, ...) in MiB (Linux)."""
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in fields:
+            values[name] = int(rest.split()[0]) / 1024  # kB
+    return values
+
+
+class PeakRSS:
+    """Peak resident memory from now on, in MiB over what is resident now.
+
+    The kernel's high-water mark (VmHWM, reset here) counts every resident page, including file pages a process
+    maps (safetensors and ``torch.load(mmap=True)`` read through mmap): clean page cache that the kernel can drop.
+    A thread also samples the anonymous part (RssAnon, the memory the work really allocates) every millisecond;
+    a sample can miss a peak shorter than that, or one inside a call that holds the GIL.
+    """
+
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # "5": reset the peak RSS to the current RSS
+        self.start = status_mib("VmRSS", "RssAnon")
+        self.peak_anon = self.start["RssAnon"]
+        self.start_time = time.perf_counter()
+        self._done = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak_anon = max(self.peak_anon, status_mib("RssAnon")["RssAnon"])
+
+    def result(self) -> dict[str, float]:
+        self._done.set()
+        self._sampler.join()
+        now = status_mib("VmHWM", "RssAnon")
+        peak_anon = max(self.peak_anon, now["RssAnon"])
+        return {
+            "rss_start_mib": self.start["VmRSS"],
+            "peak_rss_mib": now["VmHWM"],
+            "peak_over_start_mib": now["VmHWM"] - self.start["VmRSS"],
+            "peak_anon_over_start_mib": peak_anon - self.start["RssAnon"],
+            "seconds": time.perf_counter() - self.start_time,
+        }
 
 
 def barrier() -> None:

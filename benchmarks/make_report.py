@@ -24,6 +24,7 @@ from benchmarks.common import REPO, RESULTS
 EXPECTED = {
     "train_speed": "python benchmarks/train_speed.py",
     "model_state_scaling": "python benchmarks/model_state_scaling.py",
+    "lora_memory": "python benchmarks/lora_memory.py",
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
     "hf_loading": "python benchmarks/hf_loading.py",

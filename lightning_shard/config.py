@@ -40,6 +40,8 @@ class ShardingConfig:
     forward_prefetch: bool = False
     cpu_offload: bool | CPUOffloadPolicy = False
     hybrid_shard_size: int | None = None
+    # FSDPStrategy's `device_mesh=(replicas, shard_size)`: the replicas the user expects, checked against the world.
+    hybrid_replicas: int | None = None
     state_dict_type: StateDictType = "sharded"
     cpu_collectives: CpuCollectives = "gloo"
     compile: bool | Mapping[str, Any] = False
@@ -87,15 +89,17 @@ class ShardingConfig:
                 f"`reshard_after_forward={rafp!r}` has no effect with `sharding_strategy='NO_SHARD'` (nothing is "
                 "sharded); drop it or choose 'FULL_SHARD'."
             )
-        size = self.hybrid_shard_size
-        if size is not None:
+        for name, what in (("hybrid_shard_size", "ranks per shard group"), ("hybrid_replicas", "shard groups")):
+            size = getattr(self, name)
+            if size is None:
+                continue
             if isinstance(size, bool) or not isinstance(size, int):
-                raise TypeError(f"`hybrid_shard_size={size!r}` must be an int number of ranks per shard group.")
+                raise TypeError(f"`{name}={size!r}` must be an int number of {what}.")
             if size < 1:
-                raise ValueError(f"`hybrid_shard_size={size}` must be a positive number of ranks per shard group.")
+                raise ValueError(f"`{name}={size}` must be a positive number of {what}.")
             if self.sharding_strategy != "HYBRID_SHARD":
                 raise ValueError(
-                    f"`hybrid_shard_size={size}` only applies to `sharding_strategy='HYBRID_SHARD'`, "
+                    f"`{name}={size}` only applies to `sharding_strategy='HYBRID_SHARD'`, "
                     f"not {self.sharding_strategy!r}."
                 )
 
@@ -129,6 +133,13 @@ class ShardingConfig:
         if self.sharding_strategy != "HYBRID_SHARD":
             return (world_size,)
         shard_size = self.hybrid_shard_size or devices_per_node
+        if self.hybrid_replicas is not None and self.hybrid_replicas * shard_size != world_size:
+            raise ValueError(
+                f"`device_mesh=({self.hybrid_replicas}, {shard_size})` describes {self.hybrid_replicas * shard_size} "
+                f"ranks, but the job has {world_size} (num_nodes x devices); pass "
+                f"`device_mesh=({world_size // shard_size}, {shard_size})` or `hybrid_shard_size={shard_size}` alone "
+                "(the replicas follow from the world size)."
+            )
         if world_size % shard_size:
             raise ValueError(
                 f"`hybrid_shard_size={shard_size}` does not divide the world size {world_size}; choose a divisor of "

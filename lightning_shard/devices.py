@@ -52,6 +52,21 @@ def process_group_backend_for(device: torch.device, *, cpu_offload: bool, reques
     return requested
 
 
+def collective_device(backend: str) -> torch.device:
+    """Where the tensors of a collective the strategy issues itself (a broadcast of checkpoint tensors, a barrier)
+    should live for process-group ``backend``: on the current CUDA device whenever nccl serves the group - alone
+    (``"nccl"``) or beside gloo (``"cuda:nccl,cpu:gloo"``, CPU offload) - so that the data goes over nccl, not gloo;
+    in CPU memory otherwise.
+
+    Example:
+        >>> collective_device("cuda:nccl,cpu:gloo").type, collective_device("gloo").type
+        ('cuda', 'cpu')
+    """
+    if any(part.split(":")[-1].strip() == "nccl" for part in backend.split(",")):
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return _CPU
+
+
 def _serves_cpu_tensors(backend: str) -> bool:
     if ":" not in backend:
         return backend in ("gloo", "mpi")

@@ -8,6 +8,13 @@ of the root that holds parameters run inside the root's FSDP forward hooks when 
 gathered already (inside a step method they are, and the call goes straight through). Every rank must make the
 same calls: each gathers collectively. Hugging Face models are marked as FSDP-managed, so their ``generate`` keeps
 all ranks stepping together until every rank has finished (``synced_gpus``).
+
+Gathered copies must never outlive a change of the sharded values they were gathered from. FSDP's root keeps its
+parameters gathered after its forward (backward needs them first) and drops them at the end of backward; a call
+made after backward - a callback in ``on_before_optimizer_step``, ``generate`` after fit - would leave them gathered
+with the values from before the next optimizer step or checkpoint load, and the next forward would use those. So a
+direct call drops what it gathered, and the strategy drops every gathered copy after each optimizer step and each
+checkpoint load (:func:`drop_gathered_parameters`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_shard.hf.init import is_pretrained_model
+from lightning_shard.torch_compat import call_as_fsdp_forward, root_is_gathered
 
 _METHODS = ("forward", "generate")
 
@@ -45,17 +53,28 @@ def gather_root_for_direct_calls(root: FSDPModule) -> None:
                 setattr(child, name, _gathering_root(root, getattr(child, name)))
 
 
+def drop_gathered_parameters(model: nn.Module) -> None:
+    """Reshard every FSDP unit of ``model`` that holds gathered parameters (see module docstring): call after the
+    sharded values change, so that the next forward gathers them anew. A no-op for units already sharded.
+
+    Example:
+        >>> drop_gathered_parameters(sharded_lightning_module)  # doctest: +SKIP
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _gathering_root(root: FSDPModule, method: Any) -> Any:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        state = root._get_fsdp_state()
-        group = getattr(state, "_fsdp_param_group", None)
-        if group is None or group.is_unsharded:
+        if root_is_gathered(root):  # inside a step method, or a unit without parameters of its own
             return method(*args, **kwargs)
-        # As `register_fsdp_forward_method` runs a method of the root itself: FSDP's pre/post-forward, so the
-        # parameters are gathered now and their gradients, if any, reduce-scattered in backward.
-        args, kwargs = state._pre_forward(root, args, kwargs)
-        output = method(*args, **kwargs)
-        return state._post_forward(root, args, output)
+        # As `register_fsdp_forward_method` runs a method of the root itself, then drop the gathered copies (a
+        # backward through the output gathers them again in FSDP's pre-backward).
+        try:
+            return call_as_fsdp_forward(root, method, *args, **kwargs)
+        finally:
+            root.reshard()
 
     return call

@@ -69,6 +69,8 @@ def translate_fsdp_strategy_arguments(
     settings = dict(settings)
     _rename_activation_checkpointing_policy(settings, extra)
     _rename_save_distributed_checkpoint(settings, extra)
+    if "state_dict_type" in settings and settings["state_dict_type"] is None:
+        settings["state_dict_type"] = "sharded"  # the default, once save_distributed_checkpoint had its say
     _rename_device_mesh(settings, extra)
     if "sharding_strategy" in settings:
         _translate_sharding_strategy(settings)
@@ -179,7 +181,7 @@ def _rename_save_distributed_checkpoint(settings: dict[str, Any], extra: dict[st
     if not isinstance(value, bool):
         raise TypeError(f"`save_distributed_checkpoint={value!r}` must be True or False.")
     wanted = "sharded" if value else "full"
-    if settings.get("state_dict_type", "sharded") not in ("sharded", wanted):
+    if settings.get("state_dict_type") not in (None, wanted):
         raise ValueError(
             f"`save_distributed_checkpoint={value}` contradicts `state_dict_type={settings['state_dict_type']!r}`; "
             "pass only `state_dict_type`."
@@ -198,5 +200,6 @@ def _rename_device_mesh(settings: dict[str, Any], extra: dict[str, Any]) -> None
         )
     if settings.get("hybrid_shard_size") not in (None, mesh[1]):
         raise ValueError(f"`device_mesh={mesh}` contradicts `hybrid_shard_size={settings['hybrid_shard_size']}`.")
-    # FSDPStrategy's (replicas, shard group size) for hybrid sharding.
-    settings["hybrid_shard_size"] = mesh[1]
+    # FSDPStrategy's (replicas, shard group size) for hybrid sharding; the replicas are checked against the world
+    # size when the mesh is built.
+    settings["hybrid_replicas"], settings["hybrid_shard_size"] = mesh

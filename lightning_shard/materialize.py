@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_shard.hf import init as hf_init
 from lightning_shard.hf.pretrained import explain_meta_from_pretrained
+from lightning_shard.torch_compat import reregister_sharded_parameters
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -100,11 +101,10 @@ def materialize_sharded_module(
         module.to_empty(device=device, recurse=False)
         for name, buffer in buffers.items():
             # A buffer built for real (not on meta) keeps its values where `fully_shard` put it (the compute device).
-            module._buffers[name] = torch.empty_like(buffer, device=buffer_device) if buffer.is_meta else buffer
+            setattr(module, name, torch.empty_like(buffer, device=buffer_device) if buffer.is_meta else buffer)
     for module in root.modules():
         if isinstance(module, FSDPModule):
-            # FSDP re-registers the new sharded parameters after any `_apply`; run it without changing a tensor.
-            module._apply(lambda tensor: tensor, recurse=False)
+            reregister_sharded_parameters(module)
     _use_rank_zero_rng()
     swap = FullSizeParameters()
     owner_ids = {id(m) for m in owners}
@@ -164,7 +164,7 @@ class FullSizeParameters:
             full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
             if self.unset == "nan" and not scratch and full.is_floating_point():
                 full.fill_(float("nan"))
-            module._parameters[name] = nn.Parameter(full, requires_grad=param.requires_grad)
+            module.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
             swapped[name] = (param, scratch)
         self._pending[id(module)] = swapped
 
@@ -183,7 +183,7 @@ class FullSizeParameters:
         try:
             with torch.no_grad():
                 for name, (param, scratch) in swapped.items():
-                    full = module._parameters[name]
+                    full = getattr(module, name)
                     if scratch or not isinstance(param, DTensor):
                         continue
                     if self.unset == "nan" and full.is_floating_point() and bool(full.isnan().any()):
@@ -197,7 +197,7 @@ class FullSizeParameters:
                     param.to_local().copy_(shard.to_local())
         finally:
             for name, (param, _) in swapped.items():
-                module._parameters[name] = param
+                module.register_parameter(name, param)
 
 
 def _use_rank_zero_rng() -> None:

@@ -13,12 +13,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -32,6 +26,13 @@ from lightning_shard.config import ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.torch_compat import (
+    CHECKPOINT_WRAPPED_MODULE,
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from lightning_shard.wrap import select_modules
 
 
@@ -135,7 +136,7 @@ def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) 
         check_fn=lambda module: id(module) in selected,
     )
     return {
-        id(wrapper._checkpoint_wrapped_module): wrapper
+        id(getattr(wrapper, CHECKPOINT_WRAPPED_MODULE)): wrapper
         for wrapper in model.modules()
         if isinstance(wrapper, CheckpointWrapper)
     }

@@ -117,8 +117,25 @@ class PrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
     def convert_module(self, module: Module) -> Module:
+        """Bring ``module`` to the stored dtype of the table above before it is sharded.
+
+        '-true': the whole module in the precision's dtype (Lightning's FSDP plugin does the same). '-mixed': the
+        floating-point parameters in fp32 whatever dtype the model was built in (a Hub config's ``torch_dtype:
+        bfloat16``), since the sharded parameters are the optimizer's master weights (its states follow them); a
+        bf16 checkpoint is then upcast as each rank reads its slices. Buffers stay as built: FSDP2 casts only
+        parameters, and computed buffers (rotary ``inv_freq``) keep the dtype their model computes them in.
+
+        Example:
+            >>> layer = ShardedPrecision("bf16-mixed").convert_module(torch.nn.Linear(2, 2, dtype=torch.bfloat16))
+            >>> layer.weight.dtype
+            torch.float32
+        """
         if self.precision.endswith("-true"):
             return module.to(dtype=self._compute_dtype)
+        with torch.no_grad():
+            for param in module.parameters():  # each shared (tied) parameter once, and it stays shared
+                if param.is_floating_point() and param.dtype != self.param_dtype:
+                    param.data = param.data.to(self.param_dtype)
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
@@ -167,14 +184,18 @@ class ShardedPrecision(PrecisionPolicy, Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        # Unscale before the clipping hook so `gradient_clip_val` sees true gradients.
-        self.scaler.unscale_(optimizer)
+        # A `training_step` that returned None skipped backward: nothing to unscale or step. Unscaling anyway would
+        # leave the scaler waiting for an `update()` that never comes, and the next step's unscale would raise.
+        skipped = closure_result is None and model.automatic_optimization
+        if not skipped:
+            # Unscale before the clipping hook so `gradient_clip_val` sees true gradients.
+            self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
-        if not model.automatic_optimization or closure_result is not None:
-            step_output = self.scaler.step(optimizer, **kwargs)
-            self.scaler.update()
-            return step_output
-        return closure_result
+        if skipped:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

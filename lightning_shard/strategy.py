@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
+from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import ShardedPrecision
@@ -65,7 +66,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             in CPU memory (CUDA only; on a CPU accelerator it changes nothing).
         hybrid_shard_size: ranks per shard group for ``HYBRID_SHARD`` (default: the devices of one node).
         reduce_dtype: gradient-reduction dtype for the mixed precisions (fairseq's ``--fp32-reduce-scatter``).
-        state_dict_type: ``"sharded"`` (a torch.distributed.checkpoint directory) or ``"full"`` (one file).
+        state_dict_type: ``"sharded"`` (default: a torch.distributed.checkpoint directory) or ``"full"`` (one file).
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
@@ -112,7 +113,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         cpu_offload: bool | CPUOffloadPolicy = False,
         hybrid_shard_size: int | None = None,
         reduce_dtype: torch.dtype | None = None,
-        state_dict_type: StateDictType = "sharded",
+        state_dict_type: StateDictType | None = None,
         async_save: bool = False,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
@@ -237,7 +238,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
+        self._after_optimizer_step(self.model)
         return output
 
     @contextmanager
@@ -291,6 +292,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
         if LAYOUT_KEY in checkpoint:  # written by a Fabric program: weights, optimizer states and its own entries
             if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
                 raise ValueError(

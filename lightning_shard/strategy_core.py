@@ -39,7 +39,8 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import ShardingConfig
-from lightning_shard.devices import process_group_backend_for
+from lightning_shard.devices import collective_device, process_group_backend_for
+from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
@@ -273,7 +274,11 @@ class ShardedStrategyCore:
                     "`sharding_strategy='NO_SHARD'`, where every rank holds whole parameters."
                 )
 
-    def _after_optimizer_step(self) -> None:
+    def _after_optimizer_step(self, *models: nn.Module | None) -> None:
+        for model in models:
+            if model is not None:
+                # A call made between backward and the step (a callback) left gathered copies of the old values.
+                drop_gathered_parameters(model)
         if self._heap_trimmer is not None and self.root_device.type == "cpu":
             # The step's transient buffers are free now; without a trim now and then the CPU heap's peak creeps up.
             self._heap_trimmer.step()
@@ -283,7 +288,7 @@ class ShardedStrategyCore:
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
+        if collective_device(dist.get_backend()).type == "cuda":  # "nccl" or "cuda:nccl,cpu:gloo"
             dist.barrier(device_ids=[self.root_device.index])
         else:
             dist.barrier()

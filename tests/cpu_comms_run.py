@@ -5,7 +5,7 @@ FSDP2 calls by default, on 2 (or more) gloo ranks.
 
 Prints one ``RESULT <json>`` line from rank 0:
   collectives: for each (implementation, dtype, op, numel), on the worst rank, the largest difference between what
-               the implementation wrote and what ``all_gather_single`` / ``reduce_scatter_single`` write (also in
+               the implementation wrote and what FSDP2's default collectives write (also in
                units of the last place of the largest value summed), and whether the bytes are equal. The cases run
                back to back, so the shared segments are taken in turn (also with segments of 64 KiB, where the
                larger cases run in pieces, and with gloo's barrier in place of the futex barrier, as on the ranks
@@ -62,6 +62,12 @@ def slow_rank_after_barrier(rank: int):
         yield
 
 
+# What FSDP2's default comms call: torch 2.13 names them `*_single`, torch 2.11 `all_gather_into_tensor` /
+# `reduce_scatter_tensor`.
+FSDP2_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+FSDP2_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def reference_cases(rank: int, world: int) -> list[dict]:
     """Inputs and what FSDP2's default collectives make of them."""
     cases = []
@@ -69,14 +75,14 @@ def reference_cases(rank: int, world: int) -> list[dict]:
         for numel in (1, 1000, 300_001):
             shard = torch.randn(numel, generator=torch.Generator().manual_seed(rank + numel)).to(dtype)
             expected = torch.empty(numel * world, dtype=dtype)
-            dist.all_gather_single(expected, shard)
+            FSDP2_ALL_GATHER(expected, shard)
             cases.append({"collective": "all_gather", "dtype": dtype, "numel": numel, "op": None, "input": shard})
             cases[-1]["expected"] = expected
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 seed = 7 * rank + numel
                 full = torch.randn(numel * world, generator=torch.Generator().manual_seed(seed)).to(dtype)
                 reduced = torch.empty(numel, dtype=dtype)
-                dist.reduce_scatter_single(reduced, full.clone(), op=op)
+                FSDP2_REDUCE_SCATTER(reduced, full.clone(), op=op)
                 cases.append({"collective": "reduce_scatter", "dtype": dtype, "numel": numel, "op": op, "input": full})
                 cases[-1]["expected"] = reduced
     return cases

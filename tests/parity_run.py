@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import FULL, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, IN_FEATURES, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402,F401
 from lightning_shard.memory.accounting import gradient_bytes, held_bytes, unsharded_gradients  # noqa: E402
@@ -31,7 +31,19 @@ GLOBAL_BATCH = 8
 MAX_STEPS = 8
 ACCUMULATE = 4
 
-# name -> (ShardedStrategy kwargs, Trainer kwargs, ToyModel kwargs)
+
+class CallModelBeforeStep(L.Callback):
+    """Calls the model between backward and the optimizer step, as a logging or evaluation callback would: the root's
+    forward, and a direct child of it (the path of ``model.generate`` after fit)."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        probe = torch.ones(2, IN_FEATURES)
+        with torch.no_grad():
+            pl_module(probe)
+            pl_module.embed(probe)
+
+
+# name -> (ShardedStrategy kwargs, Trainer kwargs, ToyModel kwargs; "drop_batch" leaves that batch out of the loader)
 SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "full": ({"sharding_strategy": "FULL_SHARD"}, {}, {}),
     "grad_op": ({"sharding_strategy": "SHARD_GRAD_OP"}, {}, {}),
@@ -55,14 +67,20 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "fp16_mixed": ({}, {"plugins": "16-mixed"}, {}),
     "bf16_true": ({}, {"precision": "bf16-true"}, {}),
     "fp16_true": ({}, {"precision": "16-true"}, {"optimizer": "sgd"}),
+    "call_before_step": ({}, {"callbacks": [CallModelBeforeStep()]}, {}),
+    # one rank (Lightning refuses skipping on more): batch 2 skipped, against a loader without batch 2
+    "fp16_skip": ({}, {"plugins": "16-mixed"}, {"skip_batch": 2}),
+    "fp16_dropped": ({}, {"plugins": "16-mixed", "max_steps": MAX_STEPS - 1}, {"drop_batch": 2}),
 }
 
 
 def run(name: str, devices: int, reference: bool, out: Path) -> None:
     strategy_kwargs, trainer_kwargs, model_kwargs = SCENARIOS[name]
+    trainer_kwargs, model_kwargs = dict(trainer_kwargs), dict(model_kwargs)
     if "plugins" in trainer_kwargs:
         # Lightning turns `precision="16-mixed"` into bf16 on a CPU accelerator; the plugin keeps fp16.
-        trainer_kwargs = {"plugins": [lightning_shard.ShardedPrecision(trainer_kwargs["plugins"])]}
+        trainer_kwargs["plugins"] = [lightning_shard.ShardedPrecision(trainer_kwargs["plugins"])]
+    drop_batch = model_kwargs.pop("drop_batch", None)
     L.seed_everything(0, verbose=False)
     model = ToyModel(**model_kwargs)
     recorder, held = GlobalLossRecorder(), HeldGradientRecorder()
@@ -70,12 +88,12 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         accelerator="cpu",
         devices=devices,
         strategy=_strategy(reference, **strategy_kwargs),
-        max_steps=MAX_STEPS,
-        callbacks=[recorder, held],
+        max_steps=trainer_kwargs.pop("max_steps", MAX_STEPS),
+        callbacks=[recorder, held, *trainer_kwargs.pop("callbacks", [])],
         **QUIET,
         **trainer_kwargs,
     )
-    trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH))
+    trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH, drop=drop_batch))
     result: dict[str, Any] = {
         "losses": recorder.losses,
         "forward_dtypes": getattr(model.blocks[0], "seen_dtypes", None),  # None: the forward ran in workers

@@ -57,6 +57,7 @@ def test_the_default_path_never_trims_the_heap() -> None:
 def test_the_shared_memory_transport_trims_on_cpu_only(monkeypatch, device: str, counted: int) -> None:
     monkeypatch.setattr(ParallelStrategy, "optimizer_step", lambda self, *args, **kwargs: "stepped")
     strategy = ShardedStrategy(parallel_devices=[torch.device(device, 0)], cpu_collectives="shared_memory")
+    strategy.model = torch.nn.Linear(1, 1)  # what the step is taken for (its gathered copies are dropped after it)
     steps = []
     monkeypatch.setattr(strategy._heap_trimmer, "step", lambda: steps.append(1) or False)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -206,3 +206,27 @@ def test_memory_monitor_gathers_on_the_strategys_device() -> None:
     gathered: list[torch.device] = []
     ShardedMemoryMonitor()._record(_fake_trainer(META, gathered), WithMetric())
     assert gathered == [META]  # nccl gathers device tensors only
+
+
+# ---------------------------------------------------------------- collectives the strategy issues itself
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type"),
+    [("nccl", "cuda"), ("cuda:nccl,cpu:gloo", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"), ("gloo", "cpu")],
+)
+def test_full_file_loads_and_barriers_go_over_nccl_whenever_it_serves_the_group(
+    monkeypatch, backend: str, device_type: str
+) -> None:
+    # `dist.get_backend()` of a mixed group (CPU offload, "auto") is the composite string, never "nccl": the
+    # full-file broadcast went through gloo, tensor by tensor, and the barrier had no device.
+    import lightning_shard.checkpoint.unit_load as unit_load
+
+    monkeypatch.setattr(dist, "get_backend", lambda *args: backend)
+    monkeypatch.setattr(unit_load, "_distributed_is_initialized", lambda: True)
+    assert unit_load._broadcast_device().type == device_type
+    barriers: list[dict[str, Any]] = []
+    monkeypatch.setattr(strategy_module, "_distributed_is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda **kwargs: barriers.append(kwargs))
+    ShardedStrategy(parallel_devices=[CUDA]).barrier()
+    assert barriers == [{"device_ids": [0]} if device_type == "cuda" else {}]

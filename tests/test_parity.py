@@ -30,6 +30,7 @@ FP32 = [
     "sgd",
     "evaluate",
     "auto_sharding",
+    "call_before_step",
 ]
 PRECISIONS = ["bf16_mixed", "fp16_mixed", "bf16_true", "fp16_true"]
 TOL = 1e-5
@@ -40,7 +41,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("parity")
     run_script("tests/parity_run.py", "--devices", "2", "--record-exit", "--out", str(out / "two"), *FP32, *PRECISIONS)
     run_script("tests/parity_run.py", "--devices", "1", "--reference", "--out", str(out / "ref"), *FP32)
-    run_script("tests/parity_run.py", "--devices", "1", "--out", str(out / "one"), "bf16_mixed")
+    one = ["bf16_mixed", "fp16_skip", "fp16_dropped"]
+    run_script("tests/parity_run.py", "--devices", "1", "--out", str(out / "one"), *one)
     # its own invocation: a spawning launcher in a process that is already rank 0 of another would not do
     run_script("tests/parity_run.py", "--devices", "2", "--out", str(out / "two"), "spawn")
     return {"two": out / "two", "ref": out / "ref", "one": out / "one"}
@@ -128,3 +130,12 @@ def test_bf16_mixed_two_ranks_match_one_rank(results: dict[str, Path]) -> None:
     # bf16 rounding differs with the per-rank batch size; 2e-2 bounds it over 8 steps (measured 3e-3).
     two, one = load(results, "two", "bf16_mixed"), load(results, "one", "bf16_mixed")
     assert two["losses"] == pytest.approx(one["losses"], abs=2e-2)
+
+
+def test_a_skipped_batch_under_16_mixed_is_as_if_it_was_not_there(results: dict[str, Path]) -> None:
+    # `training_step` returned None for batch 2: no unscale, no step, no scaler update. Before, the scaler had been
+    # unscaled without an update and the next step raised "unscale_() has already been called".
+    skipped, dropped = load(results, "one", "fp16_skip"), load(results, "one", "fp16_dropped")
+    assert len(skipped["losses"]) == len(dropped["losses"]) == MAX_STEPS - 1
+    assert skipped["losses"] == dropped["losses"]
+    assert max_weight_diff(skipped["weights"], dropped["weights"]) == 0.0

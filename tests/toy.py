@@ -46,9 +46,17 @@ class Block(nn.Module):
 
 class ToyModel(L.LightningModule):
     """Embedding -> 3 blocks -> head, regression loss. ``build="init"`` creates layers in ``__init__`` (eager),
-    ``build="configure"`` in ``configure_model`` (meta device under the sharded strategy)."""
+    ``build="configure"`` in ``configure_model`` (meta device under the sharded strategy). ``skip_batch``: the
+    ``training_step`` of that batch index returns None (Lightning's way to skip a batch)."""
 
-    def __init__(self, build: str = "init", lr: float = 0.01, optimizer: str = "adamw", n_blocks: int = 3) -> None:
+    def __init__(
+        self,
+        build: str = "init",
+        lr: float = 0.01,
+        optimizer: str = "adamw",
+        n_blocks: int = 3,
+        skip_batch: int | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.embed: nn.Module | None = None
@@ -70,9 +78,13 @@ class ToyModel(L.LightningModule):
             h = block(h)
         return self.head(h).sum(-1)  # a reduction, not a view: FSDP warns about returned views
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        if batch_idx == self.hparams.skip_batch:
+            return None
         x, y = batch
-        return nn.functional.mse_loss(self(x).float(), y)
+        # Under the mixed precisions FSDP casts the step's floating inputs, `y` too, to the compute dtype; the loss is
+        # computed in fp32 (torch < 2.12 cannot backpropagate mse_loss over mixed dtypes: pytorch/pytorch#94086).
+        return nn.functional.mse_loss(self(x).float(), y.float())
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -98,27 +110,30 @@ def dataset() -> TensorDataset:
 
 class RankSliceBatchSampler(Sampler[list[int]]):
     """Rank r of W gets samples [s*B + r*B/W, s*B + (r+1)*B/W) at step s: its slice of the one-process batch.
+    ``drop``: a global batch index left out.
 
     The rank is read when iteration starts, not when the loader is built: scripts build their loaders before
     ``Trainer.fit`` has initialised the process group.
     """
 
-    def __init__(self, global_batch: int) -> None:
+    def __init__(self, global_batch: int, drop: int | None = None) -> None:
         self.global_batch = global_batch
+        self.drop = drop
 
     def __len__(self) -> int:
-        return N_SAMPLES // self.global_batch
+        return N_SAMPLES // self.global_batch - (self.drop is not None)
 
     def __iter__(self) -> Iterator[list[int]]:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         per_rank = self.global_batch // world
-        for start in range(0, N_SAMPLES, self.global_batch):
-            yield list(range(start + rank * per_rank, start + (rank + 1) * per_rank))
+        for index, start in enumerate(range(0, N_SAMPLES, self.global_batch)):
+            if index != self.drop:
+                yield list(range(start + rank * per_rank, start + (rank + 1) * per_rank))
 
 
-def rank_slice_loader(global_batch: int) -> DataLoader:
-    """Each rank's slice of every global batch (see :class:`RankSliceBatchSampler`)."""
-    return DataLoader(dataset(), batch_sampler=RankSliceBatchSampler(global_batch))
+def rank_slice_loader(global_batch: int, drop: int | None = None) -> DataLoader:
+    """Each rank's slice of every global batch but ``drop`` (see :class:`RankSliceBatchSampler`)."""
+    return DataLoader(dataset(), batch_sampler=RankSliceBatchSampler(global_batch, drop))
 
 
 class GlobalLossRecorder(L.Callback):
@@ -128,6 +143,8 @@ class GlobalLossRecorder(L.Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if not outputs:  # a skipped batch
+            return
         loss = outputs["loss"].detach().float().clone()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 

@@ -35,11 +35,9 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    _gc_context,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -47,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -57,6 +54,7 @@ from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateL
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
+from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element
 
 MODEL_KEY = TRAINER_LAYOUT.model
 # Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
@@ -232,7 +230,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
         # the garbage collector, unpickling the metadata and plans does not set off a sweep of the whole heap (as in
         # torch's own state-dict functions).
-        with torch.no_grad(), _gc_context():
+        with torch.no_grad(), gc_paused():
             if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
                 return self._load_sharded(path, model, optimizers, strict, layout)
             return self._load_full(path, model, optimizers, strict, layout)
@@ -250,7 +248,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"{path} is a sharded checkpoint, not a file holding a state dict; load it with "
                 "`fabric.load(path, {'model': model})`."
             )
-        with torch.no_grad(), _gc_context():
+        with torch.no_grad(), gc_paused():
             self._load_full(path, model, [], strict, layout=None)
 
     def _load_sharded(
@@ -420,7 +418,7 @@ def read_sharded_keys(path: _PATH, keys: set[str] | None = None) -> dict[str, An
     with warnings.catch_warnings():
         # Reading into one process without a process group is the point here, not an accident.
         warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
-        return _load_state_dict_from_keys(keys=keys, checkpoint_id=str(path))
+        return load_state_dict_from_keys(keys, str(path))
 
 
 def _holds_shards(checkpoint: dict[str, Any]) -> bool:

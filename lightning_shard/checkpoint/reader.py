@@ -26,8 +26,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
+
+from lightning_shard.torch_compat import PyTorchFileReader, file_view
 
 _STORAGE_RECORD = "data/0"  # the one storage of a one-tensor ``torch.save`` archive
 
@@ -135,13 +136,13 @@ def _open_plain(stream: Any, offset: int, length: int, dtype: torch.dtype, sizes
     """The layout of the archive at ``offset`` if it holds one contiguous ``dtype`` tensor of shape ``sizes`` filling
     its storage, in this machine's byte order; None otherwise (or if torch's reader cannot open it)."""
     try:
-        archive = torch._C.PyTorchFileReader(_create_file_view(stream, offset, length))
+        archive = PyTorchFileReader(file_view(stream, offset, length))
         records = archive.get_all_records()
         if [name for name in records if name.startswith("data/")] != [_STORAGE_RECORD]:
             return None
         if "byteorder" in records and archive.get_record("byteorder") != sys.byteorder.encode():
             return None
-        layout = torch.load(_create_file_view(stream, offset, length), map_location="meta", weights_only=True)
+        layout = torch.load(file_view(stream, offset, length), map_location="meta", weights_only=True)
         plain = (
             isinstance(layout, torch.Tensor)
             and layout.dtype == dtype

@@ -39,9 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-
-# Wrappers whose names the state-dict API leaves out of parameter names (activation checkpointing, torch.compile).
-_HIDDEN_MODULE_NAMES = {"_checkpoint_wrapped_module", "_orig_mod"}
+from lightning_shard.devices import collective_device
+from lightning_shard.torch_compat import HIDDEN_MODULE_NAMES, local_chunk
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ def unit_key_groups(model: nn.Module, keys: Iterable[str]) -> list[list[str]]:
 
 
 def _visible_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in _HIDDEN_MODULE_NAMES)
+    return ".".join(part for part in name.split(".") if part not in HIDDEN_MODULE_NAMES)
 
 
 def _describe(weights: Mapping[str, Any], optimizer_states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -198,16 +197,13 @@ def _local_chunk(target: torch.Tensor) -> tuple[torch.Tensor, tuple[tuple[int, .
     """This rank's part of ``target``: its local tensor and where that sits in the global tensor."""
     if isinstance(target, DTensor):
         # The same per-rank chunk torch.distributed.checkpoint saves and loads for a DTensor.
-        (chunk,) = target.__create_chunk_list__()
-        return target.to_local(), (tuple(chunk.offsets), tuple(chunk.sizes))
+        return target.to_local(), local_chunk(target)
     return target, ((0,) * target.dim(), tuple(target.shape))
 
 
 def _broadcast_device() -> torch.device:
-    """Where broadcast buffers live: CUDA when the process group moves CUDA tensors only (nccl)."""
-    if _distributed_is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where broadcast buffers live: on the GPU whenever nccl serves the group (also beside gloo, under offload)."""
+    return collective_device(dist.get_backend()) if _distributed_is_initialized() else torch.device("cpu")
 
 
 class _MappedPages:

@@ -1,12 +1,13 @@
 """FSDP2 collectives for CPU (gloo) meshes, installed through FSDP2's own comm hooks.
 
-FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single``. On gloo the reduce-scatter is slower than an
-all-reduce of the same input followed by a copy of this rank's chunk (gloo's reduce-scatter is not a ring), and the
-all-gather is no faster than gloo's list all-gather into views of the same output; both replacements write the same
-bytes. FSDP2 also allocates fresh comm buffers for every unit on every step, which on CPU means new pages and a
-fragmented heap; the buffers here are reused. Measured alone (``benchmarks/NOTES.md``; 2 ranks, one GPT
-block of 3.15M fp32 parameters: reduce-scatter 1.3x faster, a copy into a reused buffer 1.5x faster than into a
-fresh one; for the whole 19M-parameter model 2.0x and 3.2x). ``tests/test_gloo_comms.py`` checks the bytes.
+FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single`` (torch 2.11: ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``). On gloo the reduce-scatter is slower than an all-reduce of the same input followed by a copy
+of this rank's chunk (gloo's reduce-scatter is not a ring), and the all-gather is no faster than gloo's list all-gather
+into views of the same output; both replacements write the same bytes. FSDP2 also allocates fresh comm buffers for every
+unit on every step, which on CPU means new pages and a fragmented heap; the buffers here are reused. Measured alone
+(``benchmarks/NOTES.md``; 2 ranks, one GPT block of 3.15M fp32 parameters: reduce-scatter 1.3x faster, a copy into a
+reused buffer 1.5x faster than into a fresh one; for the whole 19M-parameter model 2.0x and 3.2x).
+``tests/test_gloo_comms.py`` checks the bytes.
 
 Ranks on one host use ``shm_comms``, which builds on these classes (their buffer pool, and them as the fall-back
 for groups that span hosts or cannot get shared memory). NCCL meshes keep FSDP2's defaults: there both collectives
@@ -22,17 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from lightning_shard.torch_compat import fsdp_comm_base_classes, storage_use_count
 
-def _storage_users(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+AllGather, ReduceScatter = fsdp_comm_base_classes()
 
 
 def _idle(entry: tuple[torch.Tensor, int]) -> bool:
     """Whether nothing but the pool refers to the buffer's storage."""
     buffer, idle_users = entry
-    return _storage_users(buffer) == idle_users
+    return storage_use_count(buffer) == idle_users
 
 
 class ReusedBuffers:
@@ -71,7 +71,7 @@ class ReusedBuffers:
                 return torch.empty(*size, dtype=dtype, device=device)
             del self._buffers[free[0]]
         buffer = torch.empty(numel, dtype=dtype, device=device)
-        self._buffers.append((buffer, _storage_users(buffer)))
+        self._buffers.append((buffer, storage_use_count(buffer)))
         return buffer.view(*size)
 
 

@@ -30,7 +30,6 @@ import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from torch import nn
 
 from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
 from lightning_shard.cpu.shm_barrier import FutexBarrier, barrier_supported, page_bytes, pid_namespace
+from lightning_shard.torch_compat import group_timeout
 
 SHM_DIR = Path("/dev/shm")
 # Per segment, two per process group. A collective larger than a segment runs in pieces, one barrier each: at 16 MiB
@@ -74,11 +74,8 @@ def _futex_barrier(page: torch.Tensor, rank: int, identities: list, group: dist.
 
 def _group_timeout(group: dist.ProcessGroup) -> float:
     """The group's collective timeout in seconds (torch has no public getter; its default where this fails)."""
-    try:
-        timeout = group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        timeout = dist.default_pg_timeout
-    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    timeout = group_timeout(group) or dist.default_pg_timeout
+    return timeout.total_seconds()
 
 
 def _reserve_segment(path: Path, nbytes: int) -> torch.Tensor | None:

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.unit_load import _visible_name
 from lightning_shard.devices import place_unmanaged_state
+from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
 from lightning_shard.materialize import meta_construction
@@ -89,6 +90,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         # The parameters `fully_shard` replaced (by id; weak, and compared by identity, never by tensor `==`): an
         # optimizer still holding one would train nothing.
         self._replaced_parameters: weakref.WeakValueDictionary[int, torch.nn.Parameter] = weakref.WeakValueDictionary()
+        # The models set up here: an optimizer step or a load changes their shards (Fabric's step names no model).
+        self._sharded_models: weakref.WeakSet[Module] = weakref.WeakSet()
 
     @property  # type: ignore[override]
     @override
@@ -163,6 +166,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
             accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
             self._shard_module(module, self.precision, accumulate)
+        self._sharded_models.add(module)
         place_unmanaged_state(module, self.root_device)
         return module
 
@@ -187,7 +191,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
-        self._after_optimizer_step()
+        self._after_optimizer_step(*self._sharded_models)
         return output
 
     @override
@@ -246,6 +250,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             return self.checkpoint_io.load_checkpoint(path)
         if isinstance(state, Module):
             self.checkpoint_io.load_raw_into(path, state, strict=strict)
+            drop_gathered_parameters(state)  # gathered before the load (a call after a step): stale now
             return {}
         if isinstance(state, Optimizer):
             raise NotImplementedError(
@@ -254,6 +259,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             )
         model, optimizers, layout = layout_of(state, "load")
         rest = self.checkpoint_io.load_into(path, model, list(optimizers.values()), strict=strict, layout=layout)
+        drop_gathered_parameters(model)
         return restore_rest(state, rest, layout, strict)
 
 

@@ -13,6 +13,13 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   ``split_torch_state_dict_into_shards`` (what ``save_pretrained`` uses), planned from the checkpoint's metadata, and
   written one shard at a time: only that shard's tensors are read (DCP reads of the chosen keys; a full file is
   memory-mapped and released after each shard), so one process holds at most one shard, never the whole model.
+* dtype: the floating-point tensors are written in the dtype ``config.json`` names (``"dtype"``, older
+  ``"torch_dtype"``), as ``save_pretrained`` of the original model writes them: a bf16 model fine-tuned under
+  ``"bf16-mixed"`` (fp32 master weights in the checkpoint) comes out in bf16. ``dtype="checkpoint"`` keeps the
+  checkpoint's (or name one, ``"float32"``); ``config.json`` is then rewritten by transformers to name it, so the
+  files and the config never disagree.
+* LoRA runs (peft): ``merge_lora=True`` writes the model with the adapters merged; :func:`export_adapter` writes the
+  adapter alone (:mod:`lightning_shard.hf.peft_export`).
 * Atomic: written into a hidden sibling of the output directory and renamed into place at the end.
 
 transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported inside the functions that need them.
@@ -22,13 +29,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -38,9 +46,11 @@ from lightning_shard.checkpoint.integrity import (
     full_model_shapes,
     load_full_file,
     mismatch_problems,
+    read_metadata,
 )
 from lightning_shard.checkpoint.io import MODEL_KEY, _replace, _staging_path, is_sharded_checkpoint, read_sharded_keys
 from lightning_shard.cpu.heap import release_freed_heap
+from lightning_shard.hf.peft_export import ADAPTER_WEIGHTS, PeftLayout, adapter_names, read_lora_config, save_adapter
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # Copied next to the weights when the config directory has them, so the export is a complete HF model directory.
@@ -57,6 +67,7 @@ TOKENIZER_FILES = (
 )
 _WEIGHTS = "model{suffix}.safetensors"  # HF's SAFE_WEIGHTS_NAME with its shard suffix
 _INDEX_FILE = "model.safetensors.index.json"
+HYPER_PARAMETERS_KEY = LightningModule.CHECKPOINT_HYPER_PARAMS_KEY
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,9 @@ def export_hf(
     prefix: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     auto_class: Any = None,
+    dtype: str | torch.dtype = "config",
+    merge_lora: bool = False,
+    lora_config: Any = None,
 ) -> HFExport:
     """Write the HF model inside ``checkpoint`` to ``out_dir`` for ``auto_class.from_pretrained(out_dir)``.
 
@@ -89,6 +103,14 @@ def export_hf(
         max_shard_size: the largest safetensors file, in bytes or as ``"5GB"`` / ``"500MB"``; one shard is what the
             export holds in memory at a time.
         auto_class: the transformers auto class that builds the model from the config (``AutoModelForCausalLM``).
+        dtype: the dtype of the floating-point tensors written: ``"config"``, the one ``config.json`` names (as
+            ``save_pretrained`` of the original model writes it; the checkpoint's when it names none),
+            ``"checkpoint"`` (e.g. the fp32 master weights of a "-mixed" run), or a dtype (``"bfloat16"``).
+            ``config.json`` names the dtype written.
+        merge_lora: the checkpoint holds a peft LoRA model: write it with the adapters merged into the base weights
+            (:mod:`lightning_shard.hf.peft_export`).
+        lora_config: with ``merge_lora``, the run's LoRA configuration (default: from the checkpoint's
+            hyper-parameters; see :func:`~lightning_shard.hf.peft_export.read_lora_config`).
 
     Example:
         >>> export_hf("out/last.ckpt", "out/hf", "out/pretrained")  # doctest: +SKIP
@@ -102,19 +124,32 @@ def export_hf(
 
     checkpoint, out_dir, config_dir = Path(checkpoint), Path(out_dir), Path(config_dir)
     _check_paths(checkpoint, out_dir, config_dir)
-    model = _meta_model(config_dir, auto_class)
+    if lora_config is not None and not merge_lora:
+        raise ValueError("A LoRA configuration (`--lora-config`) goes with `--merge-lora` or `--adapter-only`.")
+    config = _load_config(config_dir)
+    model = _meta_model(config, auto_class)
     aliases = saved_names(model)
     source = _open_checkpoint(checkpoint)
-    if prefix is None:
-        prefix = find_prefix(source.shapes, aliases, checkpoint)
+    layout = None
+    if merge_lora:
+        layout = PeftLayout.build(model, aliases, read_lora_config(lora_config, source.hyper_parameters, checkpoint))
+        aliases = layout.aliases
+        read = _with_names(aliases, (name for names in layout.module_inputs.values() for name in names))
+        prefix = _resolve_prefix(prefix, source, read)
+        _check_shapes(source, prefix, {name: layout.shapes[name] for names in read.values() for name in names})
     else:
-        prefix = prefix.rstrip(".") + "." if prefix.rstrip(".") else ""  # "model" and "model." alike
-        _check_prefix(prefix, source, aliases)
-    keys = {name: _present_key(prefix, names, source.shapes) for name, names in aliases.items()}
-    _check_shapes(checkpoint, source.shapes, keys, model)
+        prefix = _resolve_prefix(prefix, source, aliases)
+        state = model.state_dict()
+        _check_shapes(source, prefix, {alias: state[name].shape for name, names in aliases.items() for alias in names})
+    # name -> where it is saved (without the prefix); a merged tensor also reads its module's adapters
+    own = {name: _present_key(prefix, names, source.shapes)[len(prefix) :] for name, names in aliases.items()}
+    inputs = {name: [own[name], *(layout.inputs(name) if layout else [])] for name in own}
 
-    # The plan needs only sizes: meta tensors of the saved shapes and dtypes, in the HF model's order.
-    planned = {name: torch.empty(source.shapes[k], dtype=source.dtypes[k], device="meta") for name, k in keys.items()}
+    # The plan needs only sizes: meta tensors of the saved shapes and the dtypes written, in the HF model's order.
+    saved_dtypes = {name: source.dtypes[prefix + key] for name, key in own.items()}
+    target = _target_dtype(dtype, config)
+    written = {name: _written(saved, target) for name, saved in saved_dtypes.items()}
+    planned = {name: torch.empty(source.shapes[prefix + own[name]], dtype=written[name], device="meta") for name in own}
     try:
         plan = split_torch_state_dict_into_shards(planned, filename_pattern=_WEIGHTS, max_shard_size=max_shard_size)
     except ValueError as error:
@@ -123,19 +158,21 @@ def export_hf(
     staging.mkdir(parents=True)
     try:
         for file, names in plan.filename_to_tensors.items():
-            with source.read({keys[name]: name for name in names}) as tensors:
+            with source.read({prefix + key: key for name in names for key in inputs[name]}) as tensors:
+                shard = {}
+                for name in names:
+                    tensor = layout.merged(name, tensors) if layout and name in layout.owners else tensors[own[name]]
+                    shard[name] = tensor.to(written[name]).contiguous()
                 # `{"format": "pt"}` as save_pretrained writes it (transformers 4 refuses files without it).
-                save_file({name: t.contiguous() for name, t in tensors.items()}, staging / file, {"format": "pt"})
-            del tensors  # before the next shard is read, not after
+                save_file(shard, staging / file, {"format": "pt"})
+            del tensors, shard  # before the next shard is read, not after
             # What the shard's reads freed goes back to the OS: otherwise glibc keeps the fragments and each shard
             # starts higher (measured: +72..122 MiB left after 5 shards of 100MB from a sharded checkpoint).
             release_freed_heap()
         if plan.is_sharded:
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        for name in CONFIG_FILES + TOKENIZER_FILES:
-            if (config_dir / name).is_file():
-                shutil.copy2(config_dir / name, staging / name)
+        _copy_config_files(config_dir, staging, _config_dtype(target, planned.values()))
         _replace(staging, out_dir)
     finally:
         if staging.exists():
@@ -143,14 +180,62 @@ def export_hf(
     return HFExport(out_dir, prefix, sorted(plan.filename_to_tensors), len(planned), plan.metadata["total_size"])
 
 
+def export_adapter(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    config_dir: str | Path,
+    prefix: str | None = None,
+    auto_class: Any = None,
+    lora_config: Any = None,
+) -> HFExport:
+    """Write the LoRA adapter of the peft model inside ``checkpoint`` for ``PeftModel.from_pretrained(base, out_dir)``:
+    ``adapter_config.json`` and ``adapter_model.safetensors``, by peft's own ``save_pretrained``.
+
+    ``config_dir`` holds the base model's ``config.json``; ``prefix`` and ``auto_class`` as for :func:`export_hf`;
+    ``lora_config`` the run's LoRA configuration (default: from the checkpoint's hyper-parameters; see
+    :func:`~lightning_shard.hf.peft_export.read_lora_config`). Only the adapter tensors are read.
+
+    Example:
+        >>> export_adapter("out/last.ckpt", "out/adapter", "out/pretrained")  # doctest: +SKIP
+        HFExport(out_dir=PosixPath('out/adapter'), prefix='model.', files=['adapter_model.safetensors'], ...)
+    """
+    checkpoint, out_dir, config_dir = Path(checkpoint), Path(out_dir), Path(config_dir)
+    _check_paths(checkpoint, out_dir, config_dir)
+    model = _meta_model(_load_config(config_dir), auto_class)
+    source = _open_checkpoint(checkpoint)
+    peft_config = read_lora_config(lora_config, source.hyper_parameters, checkpoint)
+    layout = PeftLayout.build(model, saved_names(model), peft_config)
+    names = adapter_names(layout)
+    # The whole peft model must be there (the right --config and LoRA configuration), though only adapters are read.
+    expected = _with_names(layout.aliases, names.values())
+    prefix = _resolve_prefix(prefix, source, expected)
+    _check_shapes(source, prefix, {name: layout.shapes[name] for names in expected.values() for name in names})
+    staging = _staging_path(out_dir)
+    staging.mkdir(parents=True)
+    try:
+        with source.read({prefix + name: name for name in names.values()}) as tensors:
+            save_adapter(layout, tensors, staging)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _replace(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return HFExport(out_dir, prefix, [ADAPTER_WEIGHTS], len(names), total)
+
+
 # ------------------------------------------------------------------ the HF model's names
 
 
-def _meta_model(config_dir: Path, auto_class: Any) -> nn.Module:
-    """The HF model of ``config_dir/config.json``, parameters on the meta device (no memory, no download)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _load_config(config_dir: Path) -> Any:
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    return AutoConfig.from_pretrained(config_dir, local_files_only=True)
+
+
+def _meta_model(config: Any, auto_class: Any) -> nn.Module:
+    """The HF model of ``config``, parameters on the meta device (no memory, no download)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         return (auto_class or AutoModelForCausalLM).from_config(config)
 
@@ -212,11 +297,34 @@ def _no_prefix_message(
 ) -> str:
     best = sorted(counts.items(), key=lambda item: -item[1])[:3]
     closest = "; ".join(f"{p!r} holds {n} of {len(aliases)}" for p, n in best) or "none holds any"
+    adapters = sorted(key for key in saved if ".lora_A." in key)
+    lora = (
+        f" It holds LoRA adapters ({_listed(adapters)}): `--merge-lora` writes the model with them merged, "
+        "`--adapter-only` the adapter alone; a LoRA configuration other than the run's (`--lora-config`) names "
+        "other weights."
+        if adapters
+        else ""
+    )
     return (
         f"The checkpoint {checkpoint} does not hold all {len(aliases)} weights of the model built from the config "
         f"under any one prefix ({closest}). Its weights: {_listed(sorted(saved))}. Is `--config` the model that "
-        "was trained?"
+        f"was trained?{lora}"
     )
+
+
+def _resolve_prefix(prefix: str | None, source: _Checkpoint, aliases: Mapping[str, list[str]]) -> str:
+    """``prefix`` normalised and checked, or found when ``None``: the one under which ``source`` holds ``aliases``."""
+    if prefix is None:
+        return find_prefix(source.shapes, aliases, source.path)
+    prefix = prefix.rstrip(".") + "." if prefix.rstrip(".") else ""  # "model" and "model." alike
+    _check_prefix(prefix, source, aliases)
+    return prefix
+
+
+def _with_names(aliases: Mapping[str, list[str]], names: Iterable[str]) -> dict[str, list[str]]:
+    """``aliases`` plus an entry for each of ``names`` that none of them covers: all of it must be in the checkpoint."""
+    covered = {alias for candidates in aliases.values() for alias in candidates}
+    return {**aliases, **{name: [name] for name in names if name not in covered}}
 
 
 def _check_prefix(prefix: str, source: _Checkpoint, aliases: Mapping[str, list[str]]) -> None:
@@ -237,15 +345,58 @@ def _present_key(prefix: str, names: list[str], saved: Mapping[str, Any]) -> str
     return next(prefix + alias for alias in names if prefix + alias in saved)
 
 
-def _check_shapes(checkpoint: Path, saved: Mapping[str, Any], keys: Mapping[str, str], model: nn.Module) -> None:
-    state = model.state_dict()
-    problems = mismatch_problems(
-        {name: saved[key] for name, key in keys.items()}, {name: state[name].shape for name in keys}, strict=False
-    )
+def _check_shapes(source: _Checkpoint, prefix: str, expected: Mapping[str, torch.Size]) -> None:
+    """The shapes saved under ``prefix`` against ``expected`` (name without the prefix -> the model's shape)."""
+    saved = {name: source.shapes[prefix + name] for name in expected if prefix + name in source.shapes}
+    problems = mismatch_problems(saved, expected, strict=False)
     if problems:
         raise ValueError(
-            f"The checkpoint {checkpoint} does not fit the model built from the config: {'; '.join(problems)}."
+            f"The checkpoint {source.path} does not fit the model built from the config: {'; '.join(problems)}."
         )
+
+
+# ------------------------------------------------------------------ the dtype written, and config.json naming it
+
+
+def _target_dtype(dtype: str | torch.dtype, config: Any) -> torch.dtype | None:
+    """The dtype floating-point tensors are written in; ``None``: each keeps the checkpoint's."""
+    if dtype == "checkpoint":
+        return None
+    if dtype == "config":
+        dtype = config.dtype  # None when config.json names none
+        if dtype is None:
+            return None
+    target = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: use 'config', 'checkpoint' or a floating-point dtype such as 'bfloat16'.")
+    return target
+
+
+def _written(saved: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    return target if target is not None and saved.is_floating_point else saved
+
+
+def _config_dtype(target: torch.dtype | None, tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """What ``config.json`` names: the dtype written, or (checkpoint dtypes) that of most floating-point elements."""
+    if target is not None:
+        return target
+    counts: dict[torch.dtype, int] = {}
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _copy_config_files(config_dir: Path, out_dir: Path, dtype: torch.dtype | None) -> None:
+    """The config, generation config and tokenizer files of ``config_dir``; ``config.json`` rewritten by transformers
+    (as ``save_pretrained`` writes it) when it does not name ``dtype``."""
+    for name in CONFIG_FILES + TOKENIZER_FILES:
+        if (config_dir / name).is_file():
+            shutil.copy2(config_dir / name, out_dir / name)
+    config = _load_config(config_dir)  # as the file says, not as building a model left it
+    if dtype is not None and _target_dtype("config", config) != dtype:
+        config.dtype = dtype
+        config.save_pretrained(out_dir)
 
 
 # ------------------------------------------------------------------ reading the checkpoint, a few keys at a time
@@ -254,12 +405,13 @@ def _check_shapes(checkpoint: Path, saved: Mapping[str, Any], keys: Mapping[str,
 @dataclass
 class _Checkpoint:
     """A checkpoint's weights: shape and dtype by ``state_dict`` name, and ``with read({key: new_name}) as tensors``
-    (the tensors are valid inside the ``with`` block only)."""
+    (the tensors are valid inside the ``with`` block only); ``hyper_parameters()`` reads the LightningModule's."""
 
     path: Path
     shapes: dict[str, torch.Size]
     dtypes: dict[str, torch.dtype]
     read: Callable[[Mapping[str, str]], AbstractContextManager[dict[str, torch.Tensor]]]
+    hyper_parameters: Callable[[], Any]
 
 
 def _open_checkpoint(path: Path) -> _Checkpoint:
@@ -275,35 +427,46 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
             weights = read_sharded_keys(path, {f"{MODEL_KEY}.{key}" for key in keys})[MODEL_KEY]
             yield {name: weights.pop(key) for key, name in keys.items()}
 
+        def read_hyper_parameters() -> Any:
+            if HYPER_PARAMETERS_KEY not in read_metadata(path).state_dict_metadata:
+                return None
+            return read_sharded_keys(path, {HYPER_PARAMETERS_KEY})[HYPER_PARAMETERS_KEY]
+
         shapes = {key: torch.Size(entry.size) for key, entry in entries.items()}
-        return _Checkpoint(path, shapes, {key: entry.properties.dtype for key, entry in entries.items()}, read_sharded)
+        dtypes = {key: entry.properties.dtype for key, entry in entries.items()}
+        return _Checkpoint(path, shapes, dtypes, read_sharded, read_hyper_parameters)
     if path.is_dir():
         raise ValueError(f"{path} is a directory without torch.distributed.checkpoint metadata (.metadata).")
 
     @contextmanager
     def read_full(keys: Mapping[str, str]) -> Iterator[dict[str, torch.Tensor]]:
         # A fresh mapping per shard, released after it: the file's pages do not pile up in this process.
-        with _mapped_weights(path) as weights:
-            yield {name: weights[key] for key, name in keys.items()}
+        with _mapped_checkpoint(path) as checkpoint:
+            yield {name: checkpoint[MODEL_KEY][key] for key, name in keys.items()}
 
-    with _mapped_weights(path) as weights:
-        tensors = {key: value for key, value in weights.items() if isinstance(value, torch.Tensor)}
+    def read_hyper_parameters() -> Any:
+        with _mapped_checkpoint(path) as checkpoint:
+            return checkpoint.get(HYPER_PARAMETERS_KEY)
+
+    with _mapped_checkpoint(path) as checkpoint:
+        tensors = {key: value for key, value in checkpoint[MODEL_KEY].items() if isinstance(value, torch.Tensor)}
         return _Checkpoint(
             path,
             full_model_shapes(tensors, path),
             {key: tensor.dtype for key, tensor in tensors.items()},
             read_full,
+            read_hyper_parameters,
         )
 
 
 @contextmanager
-def _mapped_weights(path: Path) -> Iterator[dict[str, Any]]:
-    """A full checkpoint's ``state_dict``, memory-mapped: tensors are read from the file only when touched."""
+def _mapped_checkpoint(path: Path) -> Iterator[dict[str, Any]]:
+    """A full checkpoint, memory-mapped: tensors are read from the file only when touched."""
     checkpoint = load_full_file(path, map_location="cpu", weights_only=False, mmap=True)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(MODEL_KEY), Mapping):
         raise ValueError(f"{path} is not a Lightning checkpoint: it has no {MODEL_KEY!r} mapping of weights.")
     try:
-        yield checkpoint[MODEL_KEY]
+        yield checkpoint
     finally:
         del checkpoint
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from lightning_shard.torch_compat import TorchDispatchMode, draws_random_numbers, tree_map
 
 if TYPE_CHECKING:
     from lightning_shard.materialize import FullSizeParameters
@@ -118,10 +118,7 @@ class _DrawRecorder(TorchDispatchMode):
         return out
 
 
-@cache
-def _draws_random_numbers(func: Any) -> bool:
-    # Every op that consumes a random generator takes one as an argument (`normal_`, `uniform_`, `randn`, ...).
-    return any(argument.name == "generator" for argument in func._schema.arguments)
+_draws_random_numbers = cache(draws_random_numbers)
 
 
 def _pretrained_models_under_construction() -> tuple[nn.Module, ...]:

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from lightning_shard.torch_compat import fsdp_param_group, unsharded_gradient
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -80,11 +81,9 @@ def unsharded_gradients(model: nn.Module) -> list[torch.Tensor]:
     """
     grads = []
     for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        group = fsdp_param_group(module)
         for fsdp_param in group.fsdp_params if group is not None else ():
-            grad = fsdp_param.unsharded_accumulated_grad
-            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
-                grad = fsdp_param._unsharded_param.grad
+            grad = unsharded_gradient(fsdp_param)
             if grad is not None:
                 grads.append(grad)
     return grads

@@ -6,6 +6,8 @@ and the first whose estimated per-rank device memory stays within ``headroom`` o
 Activations are not part of this estimate (the micro-batch is unknown when the model is sharded): the headroom
 leaves room for them. The whole gradients kept between micro-batches under ``gradient_accumulation="unsharded"``
 (with ``accumulate_grad_batches > 1``) are counted: they sit on the device of every option, offload included.
+Frozen parameters (``requires_grad=False``, a LoRA model's base) are counted as the model has them: stored and
+gathered, without gradients or optimizer states, so a LoRA run may fit with less sharding than its full fine-tune.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import estimate_memory
+from lightning_shard.memory.units import count_parameters
 
 GIB = 2**30
 _OPTIONS = (("NO_SHARD", False), ("SHARD_GRAD_OP", False), ("FULL_SHARD", False), ("FULL_SHARD", True))
@@ -54,6 +57,8 @@ def choose_sharding(
     budget = int(device_memory_bytes * headroom)
     accumulating_whole = gradient_accumulation == "unsharded" and accumulate_grad_batches > 1
     needs = []
+    total, _, trainable, _ = count_parameters(model)
+    counts = f"{total:,} parameters" + (f", {total - trainable:,} of them frozen" if trainable < total else "")
     for sharding_strategy, offload in _OPTIONS:
         if offload and not can_offload:
             continue
@@ -71,12 +76,12 @@ def choose_sharding(
         needs.append(f"{label} {_size(estimate.device.total_bytes)}")
         if estimate.device.total_bytes <= budget:
             reason = (
-                f"estimated per-rank model state {'; '.join(needs)}; budget {_size(budget)} "
+                f"estimated per-rank model state ({counts}) {'; '.join(needs)}; budget {_size(budget)} "
                 f"({headroom:.0%} of {_size(device_memory_bytes)}): {label} is the cheapest that fits"
             )
             return ShardingChoice(sharding_strategy, offload, reason)
     raise MemoryError(
-        f"No sharding fits: estimated per-rank model state {'; '.join(needs)}, but the budget is "
+        f"No sharding fits: estimated per-rank model state ({counts}) {'; '.join(needs)}, but the budget is "
         f"{_size(budget)} ({headroom:.0%} of {_size(device_memory_bytes)}). Use more ranks, a lower "
         "precision ('bf16-true'), or CPU offload on CUDA"
         + (", or keep accumulated gradients sharded (gradient_accumulation='sharded')." if accumulating_whole else ".")

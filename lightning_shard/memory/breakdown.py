@@ -35,10 +35,12 @@ class MemoryBreakdown:
 class MemoryEstimate:
     """Per-rank memory of one training configuration; ``per_rank`` is device plus host.
 
+    ``n_params`` counts every parameter, ``trainable_params`` those with gradients and optimizer states.
     ``simulation`` (simulate mode only): the simulating process's ``wall_seconds`` and ``peak_rss_bytes``.
     """
 
     n_params: int
+    trainable_params: int
     device: MemoryBreakdown
     cpu: MemoryBreakdown
     config: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +53,7 @@ class MemoryEstimate:
     def to_dict(self) -> dict[str, Any]:
         return {
             "n_params": self.n_params,
+            "trainable_params": self.trainable_params,
             "per_rank": self.per_rank.to_dict(),
             "device": self.device.to_dict(),
             "cpu": self.cpu.to_dict(),

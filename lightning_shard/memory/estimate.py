@@ -4,14 +4,17 @@ Formula (ZeRO-style accounting, per rank; ``Ψ`` parameters, ``N`` ranks a param
 parameters of the largest wrap unit):
 
 * model states: parameters ``p`` B, gradients ``g`` B, optimizer states ``k × p`` B per parameter, divided by ``N``.
-  ``"32-true"``: p = g = 4. ``"bf16-mixed"`` / ``"16-mixed"``: sharded parameters and gradients stay fp32 (p = g = 4,
-  FSDP2 ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``). ``"bf16-true"`` / ``"16-true"``: p = g = 2.
+  Frozen parameters (``requires_grad=False``: the base of a LoRA model) have no gradient and no optimizer state, so
+  ``Ψ_t`` trainable of ``Ψ`` parameters cost ``(p × Ψ + (g + k × p) × Ψ_t) / N``. ``"32-true"``: p = g = 4.
+  ``"bf16-mixed"`` / ``"16-mixed"``: sharded parameters, frozen or not, and gradients stay fp32 (p = g = 4, FSDP2
+  ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)``). ``"bf16-true"`` / ``"16-true"``: p = g = 2.
   ``k`` = 2 for Adam/AdamW (``exp_avg``, ``exp_avg_sq``), 1 for SGD with momentum, 0 without.
 * gathered units: FSDP2 computes on a gathered copy of each unit in the compute dtype (``c`` = 2 B in 16-bit, 4 B in
   fp32), also on a one-rank shard group. FULL_SHARD / HYBRID_SHARD hold about three units at once - the root (kept
   gathered from its forward to the end of backward), the unit computing and the next one's all-gather buffer -
   ``3 × U × c``; SHARD_GRAD_OP and NO_SHARD keep every unit gathered from its forward to its backward, ``Ψ × c``.
-  Plus one unit's reduce-scatter input in the reduce dtype, ``U × g``.
+  Plus one unit's reduce-scatter input in the reduce dtype, ``U_t × g`` (``U_t``: the most trainable parameters of
+  one unit; FSDP2 reduces only the gradients that exist).
 * sharding: FULL_SHARD / SHARD_GRAD_OP shard over all ``world_size`` ranks, HYBRID_SHARD over the ranks of one node
   (``world_size / num_nodes``), NO_SHARD not at all.
 * ``cpu_offload`` moves the sharded parameters, gradients and optimizer states to host memory; the gathered units and
@@ -19,8 +22,8 @@ parameters of the largest wrap unit):
 * gradient accumulation over ``k = accumulate_grad_batches`` micro-batches: by default (``gradient_accumulation=
   "sharded"``) every micro-batch is reduce-scattered into the sharded gradients, which costs nothing more. With
   ``"unsharded"`` and ``k > 1`` the non-final micro-batches skip the reduce-scatter and FSDP2 keeps every
-  parameter's whole gradient, in the reduce dtype (``g`` B: fp32 under the mixed precisions), on every rank until
-  the last micro-batch's reduce-scatter: ``accumulated_grads = g × Ψ``, on the device also under ``cpu_offload``
+  trainable parameter's whole gradient, in the reduce dtype (``g`` B: fp32 under the mixed precisions), on every rank
+  until the last micro-batch's reduce-scatter: ``accumulated_grads = g × Ψ_t``, on the device also under ``cpu_offload``
   (they are the gradients of the gathered parameters, which live there). Meanwhile the sharded gradients do not
   exist on the device (Lightning frees them after the previous step; the last reduce-scatter creates them as it
   frees the whole ones), so the device's ``grads`` is 0 at its peak; with ``cpu_offload`` they stay on the host.
@@ -32,8 +35,13 @@ parameters of the largest wrap unit):
   attention). With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer
   recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``,
   ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+* activations are counted as for full fine-tuning also when most parameters are frozen: an upper bound there (a
+  frozen layer needs no input saved for its weight gradient, LoRA adapters save little more).
 * not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
   peak of small models with few activations) and the allocator's fragmentation.
+
+LoRA example: the same 13B base frozen, 0.1% trainable (Ψ_t ≈ 13.1e6): ``(4 × 13.1e9 + 12 × 13.1e6) / 8`` B ≈
+6.1 GiB of model states per rank instead of 24.4.
 
 Worked example: GPT-3 13B (Ψ ≈ 13.1e9) on 8 ranks, FULL_SHARD, bf16-mixed, AdamW: model states
 ``(4 + 4 + 8) × 13.1e9 / 8 ≈ 26.2e9`` B ≈ 24.4 GiB per rank, plus ``(3 × 2 + 4) B × U`` (U ≈ 317e6 for a
@@ -48,6 +56,10 @@ Example:
     >>> estimate = estimate_memory(13_100_000_000, world_size=8, precision="bf16-mixed", largest_unit_params=0)
     >>> round(estimate.device.total_bytes / 2**30, 1)
     24.4
+    >>> lora = estimate_memory(13_100_000_000, trainable_params=13_100_000, world_size=8, precision="bf16-mixed",
+    ...                        largest_unit_params=0)
+    >>> round(lora.device.total_bytes / 2**30, 1)
+    6.1
 """
 
 import math
@@ -158,6 +170,7 @@ def estimate_memory(
     vocab_size: int | None = None,
     fused_attention: bool = True,
     largest_unit_params: int | None = None,
+    trainable_params: int | None = None,
     input_fn: Callable[[], Any] | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one rank; see the module docstring for the formula and the published figures.
@@ -167,6 +180,8 @@ def estimate_memory(
     :mod:`lightning_shard.memory.simulate`, which also needs ``input_fn``). The largest wrap unit comes from the
     module's ``ModuleList``/``Sequential`` children, or from ``n_layer``/``n_embd``/``vocab_size``/``seq_len`` (GPT
     formula), or from ``largest_unit_params``; failing all three the whole model counts as one unit (an upper bound).
+    Trainable and frozen parameters come from the module's ``requires_grad`` flags; for a parameter count,
+    ``trainable_params`` says how many train (default: all), and each unit is assumed to train the same fraction.
     ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings;
     ``fused_attention=False`` counts the attention scores that eager (unfused) attention keeps for backward.
 
@@ -178,6 +193,9 @@ def estimate_memory(
         ...                       gradient_accumulation="unsharded")
         >>> est.per_rank.grads, est.per_rank.accumulated_grads
         (0, 4000000)
+        >>> est = estimate_memory(1_000_000, trainable_params=10_000, world_size=2, largest_unit_params=0)
+        >>> est.per_rank.params, est.per_rank.grads, est.per_rank.optimizer_states
+        (2000000, 20000, 40000)
     """
     if sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding_strategy must be one of {SHARDING_STRATEGIES}, got {sharding_strategy!r}")
@@ -207,6 +225,10 @@ def estimate_memory(
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
     }
+    if trainable_params is not None and not isinstance(model, int):
+        raise ValueError(
+            "trainable_params is for a parameter count; a module says which parameters train by their requires_grad"
+        )
     if mode == "simulate":
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
@@ -215,27 +237,28 @@ def estimate_memory(
         raise ValueError(f'mode must be "formula" or "simulate", got {mode!r}')
 
     if isinstance(model, nn.Module):
-        n_params, largest = count_parameters(model)
+        n_params, largest, trainable, largest_trainable = count_parameters(model)
     elif isinstance(model, int):
-        n_params, largest = model, model
+        n_params, largest, trainable = model, model, _trainable_count(model, trainable_params)
         if None not in (n_layer, n_embd, vocab_size, seq_len):
             largest = gpt_parameter_count(n_layer, n_embd, vocab_size, seq_len)[1]
+        largest_trainable = _trainable_share(largest, trainable, n_params)
     else:
         raise TypeError(f"model must be an nn.Module or a parameter count in formula mode, got {type(model).__name__}")
     if largest_unit_params is not None:
-        largest = largest_unit_params
+        largest, largest_trainable = largest_unit_params, _trainable_share(largest_unit_params, trainable, n_params)
 
     param_b, grad_b, state_b, compute_b = _PRECISION_BYTES[precision]
     shards = _shard_degree(sharding_strategy, world_size, num_nodes)
     states = OPTIMIZER_STATES_PER_PARAM[optimizer]
     sharded = MemoryBreakdown(
         params=math.ceil(n_params * param_b / shards),
-        grads=math.ceil(n_params * grad_b / shards),
-        optimizer_states=math.ceil(n_params * states * state_b / shards),
+        grads=math.ceil(trainable * grad_b / shards),
+        optimizer_states=math.ceil(trainable * states * state_b / shards),
     )
     # Units kept gathered (module docstring), plus one unit's reduce-scatter input in the reduce dtype.
     kept = n_params if sharding_strategy in ("SHARD_GRAD_OP", "NO_SHARD") else 3 * largest
-    gathered = kept * compute_b + largest * grad_b
+    gathered = kept * compute_b + largest_trainable * grad_b
     activations = 0
     if None not in (n_layer, n_embd, n_head, seq_len):
         activations = activation_bytes(
@@ -249,14 +272,31 @@ def estimate_memory(
             activation_checkpointing=activation_checkpointing,
             fused_attention=fused_attention,
         )
-    accumulated = n_params * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
+    accumulated = trainable * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
     on_device = MemoryBreakdown(accumulated_grads=accumulated, gathered_peak=gathered, activations=activations)
     if cpu_offload:
         device, cpu = on_device, sharded
     else:
         # The whole gradients stand in for the sharded ones while they are held (module docstring).
         device, cpu = replace(sharded, grads=0 if accumulated else sharded.grads) + on_device, MemoryBreakdown()
-    return MemoryEstimate(n_params=n_params, device=device, cpu=cpu, config=config)
+    return MemoryEstimate(n_params=n_params, trainable_params=trainable, device=device, cpu=cpu, config=config)
+
+
+def _trainable_share(unit: int, trainable: int, n_params: int) -> int:
+    """The trainable parameters of a unit of ``unit`` parameters, when units train the model's fraction."""
+    return math.ceil(unit * trainable / n_params) if n_params else 0
+
+
+def _trainable_count(n_params: int, trainable_params: int | None) -> int:
+    if trainable_params is None:
+        return n_params
+    if isinstance(trainable_params, bool) or not isinstance(trainable_params, int):
+        raise TypeError(f"trainable_params must be an int, got {trainable_params!r}")
+    if not 0 <= trainable_params <= n_params:
+        raise ValueError(
+            f"trainable_params must be between 0 and the {n_params:,} parameters, got {trainable_params:,}"
+        )
+    return trainable_params
 
 
 def format_estimate_table(model: nn.Module | int, **options: Any) -> str:

@@ -5,10 +5,17 @@ The config's ``trainer.accumulate_grad_batches`` and the strategy's ``gradient_a
 token-id inputs of ``micro-batch x seq-len``, so the model section needs ``vocab_size``), and the simulated figures
 are printed next to the formula's.
 
+Frozen parameters cost their stored copy only (no gradient, no optimizer state). A model whose class freezes them
+(a LoRA module built by the config) is counted as built. For a config that does not say it, ``--lora-rank R
+--lora-targets q_proj,v_proj`` puts peft LoRA adapters of rank ``R`` on the modules those names match (peft's own
+``target_modules`` matching, on the model built on the meta device; needs peft) and freezes the rest, as
+``get_peft_model`` does; ``--trainable-parameters N`` just says how many parameters train (formula only).
+
 Example:
     $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --json
     $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --mode simulate \
         --model-class examples.gpt.model.GPT
+    $ lightning-shard estimate --config configs/hf_llama_tiny.yaml --lora-rank 8 --lora-targets q_proj,v_proj
 """
 
 import argparse
@@ -30,10 +37,11 @@ from lightning_shard.memory.estimate import (
     format_estimate_table,
     gpt_parameter_count,
 )
+from lightning_shard.memory.units import count_parameters
 
 _GPT_DIMS = ("n_layer", "n_embd", "vocab_size", "block_size")
 # What `estimate_from_config` returns besides the `estimate_memory` keyword arguments.
-_NOT_OPTIONS = ("model", "model_class", "init_args")
+_NOT_OPTIONS = ("model", "model_class", "init_args", "lora")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,8 +69,33 @@ def _parser() -> argparse.ArgumentParser:
         default="formula",
         help="simulate: also train two steps under fake tensors (no real storage; 13B: 1.5 minutes)",
     )
+    lora = parser.add_argument_group("fine-tuning some parameters only (the rest frozen: no gradient, no optimizer)")
+    lora.add_argument("--lora-rank", type=int, help="rank of peft LoRA adapters put on --lora-targets")
+    lora.add_argument(
+        "--lora-targets", type=_names, help="comma-separated module names for the adapters, as peft's target_modules"
+    )
+    lora.add_argument(
+        "--trainable-parameters", type=int, help="how many parameters train (formula mode; instead of --lora-*)"
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON instead of tables")
     return parser
+
+
+def _names(text: str) -> list[str]:
+    return [name for name in text.split(",") if name]
+
+
+def _lora_settings(args: argparse.Namespace) -> tuple[int, list[str]] | None:
+    """``(rank, targets)`` of the adapters to add, or ``None``; a half-given or conflicting request is an error."""
+    if args.lora_rank is None and args.lora_targets is None:
+        return None
+    if args.lora_rank is None or not args.lora_targets:
+        raise ValueError("--lora-rank and --lora-targets go together, e.g. --lora-rank 8 --lora-targets q_proj,v_proj")
+    if args.trainable_parameters is not None:
+        raise ValueError("pass either --trainable-parameters or --lora-rank/--lora-targets, not both")
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank must be at least 1, got {args.lora_rank}")
+    return args.lora_rank, args.lora_targets
 
 
 def _model_section(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
@@ -96,17 +129,25 @@ def _import_class(class_path: str) -> type | None:
         return None
 
 
-def _build(model_class: type, init_args: dict[str, Any]) -> torch.nn.Module:
-    """The model with its layers, as a Trainer would build it (``configure_model``), on the current device."""
+def _build(model_class: type, init_args: dict[str, Any], lora: tuple[int, list[str]] | None = None) -> torch.nn.Module:
+    """The model with its layers, as a Trainer would build it (``configure_model``), on the current device; with
+    ``lora = (rank, targets)`` peft's LoRA adapters are put on it and the rest frozen, as ``get_peft_model`` does."""
     model = model_class(**init_args)
     if hasattr(model, "configure_model"):
         model.configure_model()
+    if lora is not None:
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError as error:
+            raise ValueError(f"--lora-rank/--lora-targets need peft: pip install peft ({error})") from error
+        rank, targets = lora
+        model = inject_adapter_in_model(LoraConfig(r=rank, target_modules=targets), model)
     return model
 
 
-def _build_on_meta(model_class: type, init_args: dict[str, Any]) -> torch.nn.Module:
+def _build_on_meta(model_class: type, init_args: dict[str, Any], lora: tuple[int, list[str]] | None) -> torch.nn.Module:
     with torch.device("meta"):
-        return _build(model_class, init_args)
+        return _build(model_class, init_args, lora)
 
 
 def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict[str, Any]]:
@@ -132,21 +173,30 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
         "seq_len": args.seq_len or dims.get("block_size"),
         **{key: dims.get(key) for key in ("n_layer", "n_embd", "n_head", "vocab_size")},
     }
+    lora = _lora_settings(args)
     model_class = _import_class(class_path) if class_path else None
     if model_class is not None:
-        model: torch.nn.Module | int = _build_on_meta(model_class, dims)
+        model: torch.nn.Module | int = _build_on_meta(model_class, dims, lora)
     else:
+        if lora is not None:
+            raise ValueError("--lora-rank/--lora-targets need the model's modules: an importable model.class_path")
         missing = [key for key in _GPT_DIMS if dims.get(key) is None]
         if missing:
             raise ValueError(f"no importable model class and the model section lacks {missing} for the GPT formula")
         model = gpt_parameter_count(*(dims[key] for key in _GPT_DIMS))[0]
+    if args.trainable_parameters is not None:
+        if isinstance(model, torch.nn.Module):
+            # A count, not a choice of parameters: the module's own counts, with this many of them trained.
+            counts = count_parameters(model)
+            model, options["largest_unit_params"] = counts.total, counts.largest_unit
+        options["trainable_params"] = args.trainable_parameters
     strategy = _strategy_options(trainer)
     if args.gradient_accumulation:
         strategy["gradient_accumulation"] = args.gradient_accumulation
     # The table varies sharding, offload and checkpointing; where gradients accumulate holds for every row.
     options["gradient_accumulation"] = strategy.pop("gradient_accumulation")
     estimate = estimate_memory(model, **options, **strategy)
-    return estimate, {"model": model, "model_class": model_class, "init_args": dims, **options}
+    return estimate, {"model": model, "model_class": model_class, "init_args": dims, "lora": lora, **options}
 
 
 def simulate_from_config(estimate: MemoryEstimate, options: dict[str, Any]) -> MemoryEstimate:
@@ -154,13 +204,18 @@ def simulate_from_config(estimate: MemoryEstimate, options: dict[str, Any]) -> M
     config, init_args = estimate.config, options["init_args"]
     if options["model_class"] is None:
         raise ValueError("simulate mode builds the model: the config needs an importable model.class_path")
+    if "trainable_params" in options:
+        raise ValueError(
+            "simulate mode trains the parameters the model marks trainable: say which with --lora-rank/--lora-targets "
+            "(--trainable-parameters is a count, for the formula)"
+        )
     if init_args.get("vocab_size") is None or config["seq_len"] is None:
         raise ValueError(
             "simulate mode feeds token ids of micro-batch x seq-len: the model section needs vocab_size, and "
             "block_size (or pass --seq-len)"
         )
     return estimate_memory(
-        partial(_build, options["model_class"], init_args),
+        partial(_build, options["model_class"], init_args, options["lora"]),
         mode="simulate",
         input_fn=partial(torch.randint, 0, init_args["vocab_size"], (config["micro_batch_size"], config["seq_len"])),
         **{key: value for key, value in config.items() if key != "mode"},
@@ -177,14 +232,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"lightning-shard estimate: {error}", file=sys.stderr)
         return 2
     if args.json:
-        payload = {key: estimate.to_dict()[key] for key in ("n_params", "per_rank", "device", "cpu")}
+        counts = ("n_params", "trainable_params")
+        payload = {key: estimate.to_dict()[key] for key in (*counts, "per_rank", "device", "cpu")}
         if simulated is not None:
-            payload = {"n_params": estimate.n_params, "formula": payload, "simulated": simulated.to_dict()}
+            payload = {**{key: payload[key] for key in counts}, "formula": payload, "simulated": simulated.to_dict()}
         print(json.dumps(payload, indent=2))
         return 0
     config = estimate.config
+    frozen = estimate.n_params - estimate.trainable_params
     print(
-        f"{estimate.n_params:,} parameters on {config['world_size']} ranks ({config['num_nodes']} node(s)), "
+        f"{estimate.n_params:,} parameters{f' ({frozen:,} frozen)' if frozen else ''} on {config['world_size']} "
+        f"ranks ({config['num_nodes']} node(s)), "
         f"{config['precision']}, {config['optimizer']}, micro-batch {config['micro_batch_size']} x "
         f"{config['seq_len']} tokens, {config['accumulate_grad_batches']} accumulated "
         f"({config['gradient_accumulation']})\n"

@@ -12,7 +12,8 @@ The steps follow Lightning's order. The first optimizer step runs one micro-batc
 the second runs ``min(accumulate_grad_batches, 2)`` (a third would hold what the second does). Each first
 micro-batch's forward runs before ``zero_grad``, so the previous step's gradients are held with its activations, as
 in a Lightning fit; under ``gradient_accumulation="unsharded"`` the non-final micro-batches skip the reduce-scatter,
-as ``ShardedStrategy.block_backward_sync`` does.
+as ``ShardedStrategy.block_backward_sync`` does. Parameters keep the ``requires_grad`` the model gives them: frozen
+ones (a LoRA model's base) get no gradient, and the optimizer is built over the trainable ones only.
 
 Everything runs on the CPU device, so this measures the device-side footprint of a run without offload;
 ``cpu_offload`` is not simulated. The fake process group is global state of the process, so the simulation runs
@@ -28,9 +29,10 @@ Example:
 
 import multiprocessing
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,12 +45,10 @@ from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.accounting import unsharded_gradients
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.process_memory import host_memory
-from lightning_shard.memory.units import count_parameters
+from lightning_shard.memory.units import ParameterCounts, count_parameters
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision
-
-if TYPE_CHECKING:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from lightning_shard.torch_compat import memory_simulation_tools
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field. "Unsharded Grad" is a
 # unit's whole gradient before its reduce-scatter - a per-unit transient - unless accumulation is unsharded, where
@@ -70,13 +70,20 @@ def simulate_memory(
     if config["cpu_offload"]:
         raise ValueError("simulate mode runs everything on the CPU device, so it cannot separate offloaded memory")
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        n_params, peak, simulation = pool.submit(_simulate_in_this_process, model_fn, input_fn, config).result()
+        counts, peak, simulation = pool.submit(_simulate_reporting_errors, model_fn, input_fn, config).result()
     return MemoryEstimate(
-        n_params=n_params, device=MemoryBreakdown(**peak), cpu=MemoryBreakdown(), config=config, simulation=simulation
+        n_params=counts.total,
+        trainable_params=counts.trainable,
+        device=MemoryBreakdown(**peak),
+        cpu=MemoryBreakdown(),
+        config=config,
+        simulation=simulation,
     )
 
 
-def _make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    # Over the trainable parameters only, as a LoRA module's `configure_optimizers` builds it.
+    params = [p for p in model.parameters() if p.requires_grad]
     if name in ("adam", "adamw"):
         return torch.optim.AdamW(params)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd" else 0.0)
@@ -86,16 +93,25 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output if output.ndim == 0 else output.float().mean()
 
 
+def _simulate_reporting_errors(
+    model_fn: Callable[[], nn.Module], input_fn: Callable[[], Any], config: dict[str, Any]
+) -> tuple[ParameterCounts, dict[str, int], dict[str, float]]:
+    """:func:`_simulate_in_this_process`, its errors sent back as text: some (fake tensor ops) do not pickle, and the
+    parent would see only that."""
+    try:
+        return _simulate_in_this_process(model_fn, input_fn, config)
+    except Exception:
+        raise RuntimeError(f"The simulation failed:\n{traceback.format_exc()}") from None
+
+
 def _simulate_in_this_process(
     model_fn: Callable[[], nn.Module], input_fn: Callable[[], Any], config: dict[str, Any]
-) -> tuple[int, dict[str, int], dict[str, float]]:
+) -> tuple[ParameterCounts, dict[str, int], dict[str, float]]:
     # Imported here, in the simulating subprocess only: the tracker's imports take seconds.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    tools = memory_simulation_tools()
 
     start = time.perf_counter()
-    dist.init_process_group("fake", rank=0, world_size=config["world_size"], store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=config["world_size"], store=tools["FakeStore"]())
     try:
         sharding = ShardingConfig(
             sharding_strategy=config["sharding_strategy"],
@@ -110,15 +126,15 @@ def _simulate_in_this_process(
         # precisions.
         with meta_construction(), precision.tensor_init_context():
             model = precision.convert_module(model_fn())
-        n_params = count_parameters(model)[0]
+        counts = count_parameters(model)
         # The meta parameters are inputs to the ops fully_shard runs on them; materialisation then allocates fake
         # CPU tensors in their place.
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with tools["FakeTensorMode"](allow_non_fake_inputs=True):
             policies = {"mp_policy": precision.mp_policy, "offload_policy": OffloadPolicy()}
             parallelize_module(model, mesh, sharding, **policies, device=torch.device("cpu"))
-            optimizer = _make_optimizer(config["optimizer"], model.parameters())
+            optimizer = _make_optimizer(config["optimizer"], model)
             inputs = input_fn()
-            tracker = FSDPMemTracker(model, optimizer)
+            tracker = tools["FSDPMemTracker"](model, optimizer)
             tracker.track_inputs((inputs,))
             skip_sync = sharding.gradient_accumulation == "unsharded"
             micro_batches = min(config["accumulate_grad_batches"], 2)
@@ -130,9 +146,9 @@ def _simulate_in_this_process(
         by_name = {getattr(key, "value", key): value for key, value in peak.items()}
         breakdown = {field: sum(by_name.get(c, 0) for c in cats) for field, cats in _CATEGORIES.items()}
         held = "accumulated_grads" if skip_sync and micro_batches > 1 else "gathered_peak"
-        breakdown[held] += by_name.get(_FSDPRefType.UNSHARDED_GRAD.value, 0)
+        breakdown[held] += by_name.get(tools["UNSHARDED_GRAD"].value, 0)
         simulation = {"wall_seconds": time.perf_counter() - start, "peak_rss_bytes": host_memory()["peak_rss_bytes"]}
-        return n_params, breakdown, simulation
+        return counts, breakdown, simulation
     finally:
         dist.destroy_process_group()
 
@@ -141,14 +157,13 @@ def _optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     inputs: Any,
-    tracker: "FSDPMemTracker",
+    tracker: Any,
     *,
     micro_batches: int,
     skip_sync: bool,
 ) -> None:
     """One optimizer step over ``micro_batches``, in Lightning's order (see the module docstring)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
+    tools = memory_simulation_tools()
     for micro_batch in range(micro_batches):
         # Per-module stats are per iteration (the tracker refuses a second call of the root); the global peak it
         # keeps is what is read.
@@ -162,5 +177,5 @@ def _optimizer_step(
         if not final:
             for grad in unsharded_gradients(model):
                 # FSDP2 upcasts them in its post-backward hook, which the tracker counts as "Temp".
-                tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+                tools["tag"](tracker, grad, tools["UNSHARDED_GRAD"])
     optimizer.step()

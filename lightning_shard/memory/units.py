@@ -1,5 +1,7 @@
 """What the estimator and the simulator both read off a model: its wrap units, parameter counts and the mesh."""
 
+from typing import NamedTuple
+
 from torch import nn
 
 from lightning_shard.config import ShardingConfig
@@ -16,20 +18,41 @@ def wrap_units(module: nn.Module) -> list[nn.Module]:
     ]
 
 
-def count_parameters(module: nn.Module) -> tuple[int, int]:
-    """``(total, largest unit)`` parameter counts; tied parameters count once, the root unit holds what no block does.
+class ParameterCounts(NamedTuple):
+    """Parameters of a model and of its largest wrap unit, all of them and those that train (``requires_grad``)."""
+
+    total: int
+    largest_unit: int
+    trainable: int
+    largest_unit_trainable: int
+
+
+def count_parameters(module: nn.Module) -> ParameterCounts:
+    """Parameter counts of ``module``; tied parameters count once, the root unit holds what no block does.
+
+    Frozen parameters (``requires_grad=False``, e.g. the base of a LoRA model) are in ``total`` and ``largest_unit``
+    only: they are stored and gathered, but have no gradient and no optimizer state. ``largest_unit_trainable`` is the
+    most trainable parameters of one unit: the size of the largest reduce-scatter.
 
     Example:
-        >>> count_parameters(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
-        (30, 20)
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> model[0].requires_grad_(False)
+        Linear(in_features=4, out_features=4, bias=True)
+        >>> count_parameters(model)
+        ParameterCounts(total=30, largest_unit=20, trainable=10, largest_unit_trainable=10)
     """
-    # module.parameters() yields a tied parameter once.
-    total = sum(p.numel() for p in module.parameters())
     units = wrap_units(module)
-    unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
     in_units = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(p.numel() for p in module.parameters() if id(p) not in in_units)
-    return total, max([root, *unit_sizes])
+    # module.parameters() yields a tied parameter once.
+    groups = [list(unit.parameters()) for unit in units] + [[p for p in module.parameters() if id(p) not in in_units]]
+    sizes = [sum(p.numel() for p in group) for group in groups]
+    trainable_sizes = [sum(p.numel() for p in group if p.requires_grad) for group in groups]
+    return ParameterCounts(
+        total=sum(p.numel() for p in module.parameters()),
+        largest_unit=max(sizes),
+        trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
+        largest_unit_trainable=max(trainable_sizes),
+    )
 
 
 def mesh_shape(sharding_strategy: str, world_size: int, num_nodes: int) -> tuple[int, ...]:

@@ -1,0 +1,239 @@
+"""Every private torch name lightning-shard relies on, in one place.
+
+FSDP2, torch.distributed.checkpoint and torch's dispatch machinery leave a few things we need without a public
+name: the FSDP state behind a module, the parameter re-registration after ``_apply``, DCP's nested-dict writer and
+its archive reader, the Hugging Face reader's per-request hook, the memory tracker's categories. Each is reached
+through this module only, so that a torch release that moves one breaks here, loudly, and in
+``tests/test_torch_compat.py``, which exercises every name below.
+
+Checked on torch 2.11.0 and 2.13.0 (the ends of the range ``pyproject.toml`` declares; CI runs the tests on both).
+Where a name differs between them, the difference is handled here and says so.
+
+Example:
+    >>> from torch import nn
+    >>> fsdp_param_group(nn.Linear(2, 2)) is None  # not sharded: no FSDP state
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401  (re-exported)
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint._traverse import set_element  # noqa: F401  (re-exported)
+from torch.distributed.checkpoint.state_dict import _gc_context as gc_paused  # noqa: F401  (re-exported)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.checkpoint.utils import _create_file_view as file_view  # noqa: F401  (re-exported)
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_map  # noqa: F401  (re-exported)
+
+# torch's zip-archive reader (``torch.load`` uses it; ``get_record_offset`` is what ``torch.load(mmap=True)`` uses).
+PyTorchFileReader = torch._C.PyTorchFileReader
+
+# Module names that torch's wrappers insert into parameter names and its state-dict API leaves out again:
+# activation checkpointing's ``CheckpointWrapper`` and ``torch.compile``'s ``OptimizedModule``.
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+HIDDEN_MODULE_NAMES = frozenset({CHECKPOINT_WRAPPED_MODULE, "_orig_mod"})
+
+# The per-request hook of torch.distributed.checkpoint's ``HuggingFaceStorageReader.read_data``: a subclass that
+# overrides it reads each request its own way (lightning_shard.hf's slice reader).
+HF_READER_REQUEST_HOOK = "_process_read_request"
+
+
+# ---------------------------------------------------------------------------------------------------- FSDP2 state
+
+
+def fsdp_param_group(module: nn.Module) -> Any | None:
+    """The ``FSDPParamGroup`` of a module ``fully_shard`` was applied to (its parameters, their gathered state);
+    ``None`` for any other module or a unit without parameters of its own.
+
+    Example:
+        >>> fsdp_param_group(nn.Linear(2, 2)) is None
+        True
+    """
+    if not isinstance(module, FSDPModule):
+        return None
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def root_is_gathered(root: FSDPModule) -> bool:
+    """Whether the unit's own parameters are all-gathered now (inside its forward, or kept after it), or it has
+    none to gather.
+
+    Example:
+        >>> root_is_gathered(sharded_model)  # doctest: +SKIP
+        False
+    """
+    group = fsdp_param_group(root)
+    return group is None or group.is_unsharded
+
+
+def call_as_fsdp_forward(root: FSDPModule, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``method(*args, **kwargs)`` inside ``root``'s FSDP pre- and post-forward, as torch's
+    ``register_fsdp_forward_method`` runs a registered method: the unit's parameters are gathered for the call
+    (and its floating inputs cast to the compute dtype), and gradients flowing back through the output are
+    reduce-scattered in backward.
+
+    Example:
+        >>> call_as_fsdp_forward(sharded_model, sharded_model.model.generate, input_ids)  # doctest: +SKIP
+    """
+    state = root._get_fsdp_state()
+    args, kwargs = state._pre_forward(root, args, kwargs)
+    output = method(*args, **kwargs)
+    return state._post_forward(root, args, output)
+
+
+def unsharded_gradient(fsdp_param: Any) -> torch.Tensor | None:
+    """The gradient FSDP2 keeps for one parameter between micro-batches whose reduce-scatter was skipped: the one
+    upcast to the reduce dtype (mixed precision), or else the autograd gradient of the gathered parameter.
+
+    Example:
+        >>> grads = [unsharded_gradient(p) for p in fsdp_param_group(unit).fsdp_params]  # doctest: +SKIP
+    """
+    grad = fsdp_param.unsharded_accumulated_grad
+    if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+        grad = fsdp_param._unsharded_param.grad
+    return grad
+
+
+def reregister_sharded_parameters(module: FSDPModule) -> None:
+    """Make FSDP2 take the module's current sharded parameters as its own (after they were replaced, e.g. allocated
+    from the meta device). ``FSDPModule._apply`` re-registers them (``FSDPParam.reset_sharded_param``) after any
+    ``Module._apply``; this runs one that changes no tensor.
+
+    Example:
+        >>> reregister_sharded_parameters(unit)  # doctest: +SKIP
+    """
+    module._apply(lambda tensor: tensor, recurse=False)
+
+
+# ---------------------------------------------------------------------------------------------------- DCP
+
+
+def load_state_dict_from_keys(keys: set[str] | None, checkpoint_id: str) -> dict[str, Any]:
+    """Read ``keys`` (all if ``None``) of a DCP checkpoint whole into this process, with no state dict to load into.
+
+    Example:
+        >>> load_state_dict_from_keys({"global_step"}, "out/last.ckpt")  # doctest: +SKIP
+        {'global_step': 200}
+    """
+    return _load_state_dict_from_keys(keys=keys, checkpoint_id=checkpoint_id)
+
+
+def local_chunk(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of this rank's part of a DTensor in the global tensor: the chunk DCP saves and loads
+    for it (``DTensor.__create_chunk_list__``).
+
+    Example:
+        >>> local_chunk(sharded_weight)  # doctest: +SKIP
+        ((4, 0), (4, 8))
+    """
+    (chunk,) = dtensor.__create_chunk_list__()
+    return tuple(chunk.offsets), tuple(chunk.sizes)
+
+
+def check_hf_reader_hook(reader_class: type) -> None:
+    """Fail loudly if ``HuggingFaceStorageReader`` no longer reads through the per-request hook a subclass
+    overrides: the subclass would be bypassed silently and every rank would read whole files.
+
+    Example:
+        >>> from torch.distributed.checkpoint import HuggingFaceStorageReader
+        >>> check_hf_reader_hook(HuggingFaceStorageReader)
+    """
+    if not callable(getattr(reader_class, HF_READER_REQUEST_HOOK, None)):
+        raise RuntimeError(
+            f"torch {torch.__version__}'s {reader_class.__name__} has no `{HF_READER_REQUEST_HOOK}`, which "
+            "lightning_shard.hf's shard-wise reader overrides; this torch is outside the tested range (see "
+            "pyproject.toml). Install a torch in that range."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+
+
+def draws_random_numbers(op: Any) -> bool:
+    """Whether an ATen op consumes a random generator: every such op (``normal_``, ``uniform_``, ``randn``, ...)
+    takes one as an argument in its schema.
+
+    Example:
+        >>> draws_random_numbers(torch.ops.aten.normal_.default), draws_random_numbers(torch.ops.aten.add.Tensor)
+        (True, False)
+    """
+    return any(argument.name == "generator" for argument in op._schema.arguments)
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """How many references to ``tensor``'s storage exist (tensors, views, pending collectives).
+
+    Example:
+        >>> a = torch.zeros(2); before = storage_use_count(a); b = a.view(2)
+        >>> storage_use_count(a) - before
+        1
+    """
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The collective timeout of a group's CPU backend (torch has no public getter); ``None`` if it cannot tell.
+
+    Example:
+        >>> group_timeout(dist.group.WORLD)  # doctest: +SKIP
+        datetime.timedelta(seconds=1800)
+    """
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def fsdp_comm_base_classes() -> tuple[type, type]:
+    """FSDP2's ``AllGather`` and ``ReduceScatter`` comm interfaces (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter`` take instances). Imported on demand: only the opt-in CPU transport needs them.
+
+    Example:
+        >>> [cls.__name__ for cls in fsdp_comm_base_classes()]
+        ['AllGather', 'ReduceScatter']
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    return AllGather, ReduceScatter
+
+
+def memory_simulation_tools() -> dict[str, Any]:
+    """What ``lightning-shard estimate --mode simulate`` runs on: ``FakeTensorMode``, FSDP2's ``FSDPMemTracker``
+    and its category enum, a function that tags a tensor with a category, and the fake process group's store.
+    Imported on demand (they take seconds to import).
+
+    Example:
+        >>> sorted(memory_simulation_tools())
+        ['FSDPMemTracker', 'FakeStore', 'FakeTensorMode', 'UNSHARDED_GRAD', 'tag']
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def tag(tracker: FSDPMemTracker, tensor: torch.Tensor, category: Any) -> None:
+        tracker._update_and_maybe_create_winfos(tensor, category, update_existing=True)
+
+    return {
+        "FakeTensorMode": FakeTensorMode,
+        "FSDPMemTracker": FSDPMemTracker,
+        "FakeStore": FakeStore,
+        "UNSHARDED_GRAD": _FSDPRefType.UNSHARDED_GRAD,
+        "tag": tag,
+    }

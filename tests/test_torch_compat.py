@@ -1,0 +1,216 @@
+"""Every private torch name in ``lightning_shard.torch_compat`` does what the package relies on it for.
+
+CI runs this file on each torch version ``pyproject.toml`` admits (2.11 and 2.13): a torch release that renames or
+changes one of them fails here, by name, rather than somewhere inside a sharded run.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from conftest import REPO
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from lightning_shard import torch_compat
+
+
+class Scaled(nn.Module):
+    """A module with a method besides ``forward`` that uses its parameters (as ``generate`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(8.0).view(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * (x @ self.weight.T)
+
+
+# ------------------------------------------------------------------------------------------- FSDP2 state
+
+
+def test_fsdp_param_group_and_gathered_state(mesh) -> None:
+    assert torch_compat.fsdp_param_group(nn.Linear(2, 2)) is None
+    model = fully_shard(Scaled(), mesh=mesh)
+    group = torch_compat.fsdp_param_group(model)
+    assert [p._module_info.param_name for p in group.fsdp_params] == ["weight"]
+    assert not torch_compat.root_is_gathered(model)
+    model(torch.ones(1, 2))  # the root keeps its parameters gathered after forward
+    assert torch_compat.root_is_gathered(model)
+    model.reshard()
+    assert not torch_compat.root_is_gathered(model)
+
+
+def test_call_as_fsdp_forward_gathers_for_another_method(mesh) -> None:
+    model = fully_shard(Scaled(), mesh=mesh)
+    x = torch.ones(1, 2)
+    expected = Scaled().double(x)
+    assert torch.equal(torch_compat.call_as_fsdp_forward(model, model.double, x), expected)
+
+
+def test_unsharded_gradient_between_micro_batches(mesh) -> None:
+    model = fully_shard(Scaled(), mesh=mesh)
+    model.set_requires_gradient_sync(False)
+    model(torch.ones(1, 2)).sum().backward()
+    (fsdp_param,) = torch_compat.fsdp_param_group(model).fsdp_params
+    grad = torch_compat.unsharded_gradient(fsdp_param)
+    assert grad is not None and grad.shape == (4, 2) and torch.equal(grad, torch.ones(4, 2))
+
+
+def test_reregister_sharded_parameters_after_allocation(mesh) -> None:
+    with torch.device("meta"):
+        model = Scaled()
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu", recurse=False)
+    torch_compat.reregister_sharded_parameters(model)
+    with torch.no_grad():
+        model.weight.to_local().copy_(torch.arange(8.0).view(4, 2))
+    # FSDP gathers from the allocated shard, not the meta one it was created with
+    assert torch.equal(model(torch.ones(1, 2)), Scaled()(torch.ones(1, 2)))
+
+
+# ------------------------------------------------------------------------------------------- activation checkpointing
+
+
+def test_checkpoint_wrapper_names_and_hidden_module_names() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    torch_compat.apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=lambda m: torch_compat.checkpoint_wrapper(
+            m, checkpoint_impl=torch_compat.CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, nn.Linear),
+    )
+    assert isinstance(model[0], torch_compat.CheckpointWrapper)
+    assert next(iter(dict(model.named_parameters()))) == f"0.{torch_compat.CHECKPOINT_WRAPPED_MODULE}.weight"
+    assert list(get_model_state_dict(model)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    compiled = torch.compile(nn.Linear(2, 2))
+    assert next(iter(dict(compiled.named_parameters()))).split(".")[0] in torch_compat.HIDDEN_MODULE_NAMES
+    assert torch_compat.CHECKPOINT_WRAPPED_MODULE in torch_compat.HIDDEN_MODULE_NAMES
+
+
+# ------------------------------------------------------------------------------------------- DCP
+
+
+def test_set_element_builds_nested_containers() -> None:
+    state: dict = {}
+    torch_compat.set_element(state, ("optimizer_states", 0, "param_groups"), [{"lr": 0.1}])
+    assert state == {"optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
+
+
+def test_gc_paused() -> None:
+    assert gc.isenabled()
+    with torch_compat.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_load_state_dict_from_keys(tmp_path) -> None:
+    dcp.save({"global_step": 7, "weight": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
+    assert torch_compat.load_state_dict_from_keys({"global_step"}, str(tmp_path)) == {"global_step": 7}
+
+
+def test_archive_reader_finds_a_tensor_inside_a_file_at_an_offset(tmp_path) -> None:
+    archive = io.BytesIO()
+    torch.save(torch.arange(4.0), archive)
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 100 + archive.getvalue())
+    with open(path, "rb") as stream:
+        reader = torch_compat.PyTorchFileReader(torch_compat.file_view(stream, 100, len(archive.getvalue())))
+        offset = reader.get_record_offset("data/0")
+        stream.seek(100 + offset)
+        assert torch.equal(torch.frombuffer(bytearray(stream.read(16)), dtype=torch.float32), torch.arange(4.0))
+
+
+def test_local_chunk_of_a_dtensor(mesh) -> None:
+    dtensor = distribute_tensor(torch.zeros(4, 8), mesh, [Shard(0)])
+    assert torch_compat.local_chunk(dtensor) == ((0, 0), (4, 8))
+
+
+def test_hf_reader_keeps_the_request_hook_the_slice_reader_overrides() -> None:
+    torch_compat.check_hf_reader_hook(dcp.HuggingFaceStorageReader)
+    with pytest.raises(RuntimeError, match="has no `_process_read_request`.*tested range"):
+        torch_compat.check_hf_reader_hook(dcp.FileSystemReader)
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_mode_sees_random_ops_and_tree_map_maps() -> None:
+    seen = []
+
+    class Record(torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(torch_compat.draws_random_numbers(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.empty(2).normal_()
+        torch.ones(2) + 1
+    assert True in seen and seen[-1] is False
+    assert torch_compat.tree_map(lambda v: v * 2, {"a": [1, (2,)]}) == {"a": [2, (4,)]}
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+
+def test_storage_use_count_counts_views() -> None:
+    tensor = torch.zeros(4)
+    before = torch_compat.storage_use_count(tensor)
+    view = tensor.view(2, 2)
+    assert torch_compat.storage_use_count(tensor) == before + 1
+    del view
+    assert torch_compat.storage_use_count(tensor) == before
+
+
+def test_group_timeout(mesh) -> None:
+    assert isinstance(torch_compat.group_timeout(dist.group.WORLD), timedelta)
+
+
+def test_fsdp_comm_base_classes_are_fsdp2s_comm_interfaces(mesh) -> None:
+    all_gather, reduce_scatter = torch_compat.fsdp_comm_base_classes()
+    for cls in (all_gather, reduce_scatter):
+        assert {"allocate", "__call__"} <= cls.__abstractmethods__
+    model = fully_shard(nn.Linear(2, 2), mesh=mesh)
+
+    class Recorded(all_gather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            output_tensor.copy_(input_tensor)
+
+    model.set_custom_all_gather(Recorded())
+    model(torch.ones(1, 2))  # FSDP2 takes the instance as its all-gather
+
+
+def test_memory_simulation_tools() -> None:
+    tools = torch_compat.memory_simulation_tools()
+    assert tools["UNSHARDED_GRAD"].value == "Unsharded Grad"
+    assert callable(tools["FSDPMemTracker"].get_tracker_snapshot)
+    with tools["FakeTensorMode"]():
+        assert type(torch.empty(2)).__name__ == "FakeTensor"
+
+
+def test_the_opt_in_cpu_transport_is_imported_only_when_asked_for() -> None:
+    # It builds on FSDP2's private comm interfaces; the default path (what GPU users run) must not depend on them.
+    code = (
+        "import sys, lightning_shard; lightning_shard.ShardedStrategy(); "
+        "assert not {'lightning_shard.cpu.shm_comms', 'lightning_shard.cpu.gloo_comms'} & set(sys.modules); "
+        "from lightning_shard.cpu import install_shared_memory_collectives; "
+        "assert 'lightning_shard.cpu.shm_comms' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
