@@ -148,7 +148,8 @@ class ShardedStrategyCore:
 
     def _sharded_precision(self, plugin: Any, kind: type[TPrecision]) -> TPrecision | None:
         """The framework hands every strategy a generic plugin (autocast MixedPrecision, HalfPrecision, ...) for its
-        ``precision=`` string; FSDP does mixed precision itself, so translate the string into ``kind``."""
+        ``precision=`` string; FSDP does mixed precision itself, so translate the string into ``kind``. ``None``
+        stays unset: the frameworks read it to tell a strategy built with a precision from one without."""
         if plugin is None or isinstance(plugin, kind):
             return plugin
         return kind(plugin.precision, reduce_dtype=self._reduce_dtype)
