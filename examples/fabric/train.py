@@ -5,7 +5,7 @@ library's own source: nothing is downloaded) as the Trainer example, in a loop s
 on the meta device and sharded by ``fabric.setup``, gradient accumulation under ``fabric.no_backward_sync``,
 clipping, a periodic checkpoint holding the model, optimizer, scheduler and the data order, and a sample at the end.
 
-    python examples/fabric/train.py                                    # tiny GPT, 2 CPU ranks, about a minute
+    python examples/fabric/train.py                                    # tiny GPT, 2 CPU ranks, 75 s
     python examples/fabric/train.py --max-steps 300 --resume out/fabric_gpt/last.ckpt   # train on from a checkpoint
     python examples/fabric/train.py --accelerator cuda --devices 8 --precision bf16-mixed --n-layer 24 --n-embd 1024
 """
