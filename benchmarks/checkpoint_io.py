@@ -101,7 +101,7 @@ def _phases(seconds: dict[str, float]) -> Iterator[None]:
 
     targets: list[tuple[Any, str, str]] = [
         (integrity, "agreed", "the two agreements across ranks (and what they wrap)"),
-        (integrity, "check_sharded_fits", "integrity check (metadata, file sizes, names and shapes)"),
+        (io, "_check_sharded", "integrity check (metadata, file sizes, names and shapes)"),
         (io, "_live_states", "get_state_dict (sharded: the live shards and optimizer states)"),
         (dcp, "load", "dcp.load (planning and reading)"),
         (InPlaceFileSystemReader, "read_data", "of which reading the shards into the live tensors"),

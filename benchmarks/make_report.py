@@ -23,6 +23,7 @@ from benchmarks.common import REPO, RESULTS
 # The questions in reading order, and what to say when a result is absent.
 EXPECTED = {
     "train_speed": "python benchmarks/train_speed.py",
+    "fabric_speed": "python benchmarks/fabric_speed.py",
     "model_state_scaling": "python benchmarks/model_state_scaling.py",
     "lora_memory": "python benchmarks/lora_memory.py",
     "checkpoint_io": "python benchmarks/checkpoint_io.py",

@@ -164,10 +164,10 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------- driver side
 
 
-def launch(config: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    """Run ``config`` once on ``args.devices`` CPU ranks; return each rank's record."""
+def launch(config: str, args: argparse.Namespace, out: Path, script: Path = Path(__file__)) -> list[dict[str, Any]]:
+    """Run ``config`` once on ``args.devices`` CPU ranks (``script --worker config``); return each rank's record."""
     flags = ["--batch-size", args.batch_size, "--warmup", args.warmup, "--steps", args.steps, "--devices", args.devices]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", config, "--out", str(out), *map(str, flags)]
+    cmd = [sys.executable, str(script.resolve()), "--worker", config, "--out", str(out), *map(str, flags)]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher sets threads per rank
     proc = subprocess.run(cmd, env={**env, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -272,27 +272,45 @@ def _pairs(runs: list[dict[str, Any]], base: str, config: str) -> list[tuple[dic
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(description: str, configs: list[str], output: str) -> argparse.ArgumentParser:
+    """The driver's and the worker's arguments: configurations, sizes, rounds, where the JSON goes."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(RESULTS / "tmp"), help=argparse.SUPPRESS)
-    parser.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", default=configs, choices=configs)
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
-    parser.add_argument("--output", default=str(RESULTS / "train_speed.json"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--output", default=str(RESULTS / output))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser(__doc__, CONFIGS, "train_speed.json").parse_args(argv)
     if args.worker:
         _worker(args)
         return
-    runs: list[dict[str, Any]] = []
     start = time.perf_counter()
+    runs = run_rounds(args)
+    command = "python benchmarks/train_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_result(args, command, runs, summarise(runs, args.devices), start)
+
+
+def run_rounds(args: argparse.Namespace, script: Path = Path(__file__)) -> list[dict[str, Any]]:
+    """``args.rounds`` rounds of one launch per configuration (A, B, C, A, B, C, ...), printing each as it ends."""
+    runs: list[dict[str, Any]] = []
     for round_index in range(args.rounds):
         for config in args.configs:
-            ranks = launch(config, args, Path(args.out))
+            ranks = launch(config, args, Path(args.out), script)
             runs.append({"round": round_index, "config": config, "ranks": ranks})
             step, peak = median(slowest_rank_steps(ranks)), max(r["peak_rss_bytes"] for r in ranks) / 2**20
             print(f"round {round_index} {config:8s} median step {step:.3f}s  peak RSS {peak:.0f} MiB", flush=True)
-    command = "python benchmarks/train_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    return runs
+
+
+def write_result(
+    args: argparse.Namespace, command: str, runs: list[dict[str, Any]], report: dict[str, Any], start: float
+) -> None:
+    """``args.output``: the command, machine, settings, every launch's records and the report table."""
     result = {
         "command": command.strip(),
         "machine": machine(),
@@ -300,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": MODEL,
         "wall_seconds": time.perf_counter() - start,
         "runs": runs,
-        "report": summarise(runs, args.devices),
+        "report": report,
     }
     write_json(Path(args.output), result)
     print(f"wrote {args.output} in {result['wall_seconds']:.0f}s")

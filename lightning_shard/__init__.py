@@ -1,15 +1,18 @@
 """lightning-shard: Fully Sharded Data Parallel (FSDP2) training for PyTorch Lightning.
 
-Importing the package registers the strategy names with Lightning's registry, so this is all a user needs:
+Importing the package registers the strategy names with the Trainer's and Fabric's registries, so this is all a
+user needs:
 
     >>> import lightning as L
     >>> import lightning_shard  # noqa: F401
     >>> trainer = L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
+    >>> fabric = L.Fabric(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_shard import hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
+from lightning_shard import fabric, hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
 from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
 from lightning_shard.memory import (
@@ -24,6 +27,7 @@ from lightning_shard.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
 from lightning_shard.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
+fabric.ShardedStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -37,6 +41,7 @@ __all__ = [
     "ShardedStrategy",
     "ShardingConfig",
     "estimate_memory",
+    "fabric",
     "format_estimate_table",
     "hf",
     "is_sharded_checkpoint",

@@ -38,6 +38,8 @@ def gather_root_for_direct_calls(root: FSDPModule) -> None:
         >>> gather_root_for_direct_calls(sharded_lightning_module)  # doctest: +SKIP
         >>> sharded_lightning_module.model.generate(input_ids, max_new_tokens=8)  # doctest: +SKIP
     """
+    if is_pretrained_model(root):
+        root._is_fsdp_managed_module = True  # a Fabric model: the root itself is the transformers model
     for child in root.children():
         if is_pretrained_model(child):
             # What transformers' own FSDP2 setup sets: `generate` then defaults to `synced_gpus=True`.

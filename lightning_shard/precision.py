@@ -44,8 +44,12 @@ _COMPUTE_DTYPE = {
 PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
 
 
-class ShardedPrecision(Precision):
-    """Precision for :class:`~lightning_shard.ShardedStrategy`, applied through FSDP2's ``MixedPrecisionPolicy``.
+class PrecisionPolicy:
+    """The precision rules both front-ends share: a precision string, its dtypes (the table above), the
+    ``MixedPrecisionPolicy`` for ``fully_shard``, the ``ShardedGradScaler`` for ``"16-mixed"``, and the contexts
+    that build, feed and run the model. Lightning's Trainer and Fabric each have their own ``Precision`` base class
+    with different backward / step hooks: :class:`ShardedPrecision` (Trainer) and
+    :class:`lightning_shard.fabric.ShardedPrecision` (Fabric) put this mixin in front of theirs and add only those.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
@@ -112,7 +116,6 @@ class ShardedPrecision(Precision):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
-    @override
     def convert_module(self, module: Module) -> Module:
         """Bring ``module`` to the stored dtype of the table above before it is sharded.
 
@@ -135,15 +138,12 @@ class ShardedPrecision(Precision):
                     param.data = param.data.to(self.param_dtype)
         return module
 
-    @override
     def tensor_init_context(self) -> AbstractContextManager:
         return _DtypeContextManager(self.param_dtype)
 
-    @override
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
 
-    @override
     def forward_context(self) -> AbstractContextManager:
         # Mixed precision happens inside the FSDP units; only '-true' precisions change the default dtype so
         # tensors created during the step match the parameters.
@@ -151,11 +151,27 @@ class ShardedPrecision(Precision):
             return _DtypeContextManager(self._compute_dtype)
         return nullcontext()
 
-    @override
     def convert_input(self, data: Any) -> Any:
         if not self.precision.endswith("-true"):
             return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._compute_dtype)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+class ShardedPrecision(PrecisionPolicy, Precision):
+    """Precision for the Trainer's :class:`~lightning_shard.ShardedStrategy`: :class:`PrecisionPolicy` plus the
+    Trainer's backward, optimizer-step and clipping hooks (the grad scaler around the closure).
+
+    Example:
+        >>> ShardedPrecision("bf16-mixed").mp_policy.param_dtype
+        torch.bfloat16
+    """
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
@@ -185,17 +201,10 @@ class ShardedPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_norm(self.main_params(optimizer), clip_val)
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
 
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
-
-
-def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """Clip gradients to a global norm computed over all shards; returns the total norm (a plain tensor).
 
     ``torch.nn.utils.clip_grad_norm_`` accepts DTensor gradients: the per-shard norms reduce to the norm of the
@@ -206,7 +215,9 @@ def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    total_norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    total_norm = torch.nn.utils.clip_grad_norm_(
+        list(parameters), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+    )
     return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
 
 

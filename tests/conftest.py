@@ -10,9 +10,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -37,6 +39,26 @@ def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check:
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.stdout
+
+
+def load(results: dict[str, Path], run: str, scenario: str) -> dict[str, Any]:
+    """What a run script saved for ``scenario`` in the run directory ``results[run]``."""
+    return torch.load(results[run] / f"{scenario}.pt", weights_only=False)
+
+
+def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest elementwise difference between two state dicts of the same names."""
+    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def assert_matches_reference(run: dict[str, Any], reference: dict[str, Any], tolerance: float) -> None:
+    """A multi-rank run against its one-process reference: the same number of steps, per-step losses and final
+    weights within ``tolerance``, and a loss that fell (the model learnt something)."""
+    assert len(run["losses"]) == len(reference["losses"]) > 0
+    assert run["losses"] == pytest.approx(reference["losses"], abs=tolerance)
+    assert max_weight_diff(run["weights"], reference["weights"]) < tolerance
+    assert run["losses"][-1] < run["losses"][0], "the model should learn"
 
 
 def torchrun_args(nproc: int) -> list[str]:

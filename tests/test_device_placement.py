@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 import lightning_shard.memory.callback as memory_callback
-import lightning_shard.strategy as strategy_module
+import lightning_shard.strategy_core as strategy_module
 from lightning_shard import ShardedMemoryMonitor, ShardedPrecision, ShardedStrategy, ShardingConfig
 from lightning_shard.devices import materialization_devices, place_unmanaged_state, process_group_backend_for
 from lightning_shard.memory.process_memory import CUDA_KEYS

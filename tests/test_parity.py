@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import run_script
+from conftest import assert_matches_reference, load, max_weight_diff, run_script
 from parity_run import ACCUMULATE, MAX_STEPS
 
 FP32 = [
@@ -48,22 +47,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"two": out / "two", "ref": out / "ref", "one": out / "one"}
 
 
-def load(results: dict[str, Path], run: str, scenario: str) -> dict[str, Any]:
-    return torch.load(results[run] / f"{scenario}.pt", weights_only=False)
-
-
-def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("scenario", FP32)
 def test_two_ranks_match_one_process(results: dict[str, Path], scenario: str) -> None:
-    two, ref = load(results, "two", scenario), load(results, "ref", scenario)
-    assert len(two["losses"]) == len(ref["losses"]) > 0
-    assert two["losses"] == pytest.approx(ref["losses"], abs=TOL)
-    assert max_weight_diff(two["weights"], ref["weights"]) < TOL
-    assert two["losses"][-1] < two["losses"][0], "the toy model should learn"
+    assert_matches_reference(load(results, "two", scenario), load(results, "ref", scenario), TOL)
 
 
 def test_gradients_held_between_micro_batches(results: dict[str, Path]) -> None:

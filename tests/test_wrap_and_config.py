@@ -177,6 +177,10 @@ def test_hybrid_size_must_divide_world() -> None:
 def test_registry_names(name: str, sharding: str, offload: bool) -> None:
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, ShardedStrategy)
+    # the same name in Fabric's registry: the Fabric strategy with the same settings
+    fabric_strategy = L.Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+    assert isinstance(fabric_strategy, lightning_shard.fabric.ShardedStrategy)
+    assert fabric_strategy.config == trainer.strategy.config
     assert trainer.strategy.config.sharding_strategy == sharding
     assert trainer.strategy.config.cpu_offload is offload
     assert trainer.strategy.config.gradient_accumulation == "sharded"

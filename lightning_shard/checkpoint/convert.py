@@ -14,12 +14,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.io import (
-    MODEL_KEY,
     WORLD_SIZE_KEY,
     ShardedCheckpointIO,
     is_sharded_checkpoint,
     read_sharded_keys,
 )
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 
 
 def convert(src: Path, dst: Path) -> str:
@@ -43,12 +43,11 @@ def convert(src: Path, dst: Path) -> str:
     # `functools.partial` LR lambda's `{}`, a loop's empty state), and Lightning then fails to resume. Written as
     # the strategy writes a sharded checkpoint instead; the file is mapped, not read into memory.
     checkpoint = integrity.load_full_file(src, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(src))
-    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
-        raise ValueError(f"{src} is not a Lightning checkpoint: it has no {MODEL_KEY!r} entry.")
+    layout = _layout(checkpoint, src)
     with warnings.catch_warnings():
         # Writing from one process without a process group is the point here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        ShardedCheckpointIO().save_sharded(checkpoint, dst)
+        ShardedCheckpointIO().save_sharded(checkpoint, dst, layout)
     return "full -> sharded"
 
 
@@ -66,9 +65,7 @@ def inspect(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise ValueError(f"{path} is a directory without torch.distributed.checkpoint metadata (.metadata).")
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
-        raise ValueError(f"{path} is not a Lightning checkpoint: it has no {MODEL_KEY!r} entry.")
-    weights = [t for t in checkpoint[MODEL_KEY].values() if isinstance(t, torch.Tensor)]
+    weights = [t for t in checkpoint[_layout(checkpoint, path).model].values() if isinstance(t, torch.Tensor)]
     return {
         "format": "full",
         "saved_world_size": None,
@@ -80,14 +77,24 @@ def inspect(path: Path) -> dict[str, Any]:
     }
 
 
+def _layout(checkpoint: Any, path: Path) -> StateLayout:
+    """The layout a full checkpoint recorded (the Trainer's if none), refusing a file without its weights entry."""
+    layout = StateLayout.from_record(checkpoint.get(LAYOUT_KEY) if isinstance(checkpoint, dict) else None)
+    if not isinstance(checkpoint, dict) or layout.model not in checkpoint:
+        raise ValueError(f"{path} is not a Lightning checkpoint: it has no {layout.model!r} entry.")
+    return layout
+
+
 def _inspect_sharded(path: Path) -> dict[str, Any]:
     metadata = FileSystemReader(str(path)).read_metadata()
+    keys = {LAYOUT_KEY} if LAYOUT_KEY in metadata.state_dict_metadata else set()
+    scalars = read_sharded_keys(path, {"global_step", "epoch", WORLD_SIZE_KEY, *keys})
+    prefix = StateLayout.from_record(scalars.get(LAYOUT_KEY)).model + "."
     weights = {
         key: meta
         for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL_KEY + ".") and isinstance(meta, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    scalars = read_sharded_keys(path, {"global_step", "epoch", WORLD_SIZE_KEY})
     return {
         "format": "sharded",
         "saved_world_size": scalars.get(WORLD_SIZE_KEY),

@@ -6,14 +6,13 @@ reach).
 
 * sharded: ``.metadata`` readable; every storage file it references present and long enough for its byte ranges.
 * full: the file unpickles (``torch.load`` errors re-raised naming the file).
-* both: the saved ``state_dict`` tensor names and shapes against the model's (missing / unexpected keys only
-  under strict loading; mis-shaped keys always).
+* both: the saved weights' tensor names and shapes against the model's (missing / unexpected keys only under
+  strict loading; mis-shaped keys always).
 """
 
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +24,6 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 _METADATA = ".metadata"
-_MODEL_PREFIX = "state_dict."
 _MAX_LISTED = 8
 T = TypeVar("T")
 
@@ -83,12 +81,13 @@ def storage_problems(path: str | os.PathLike, metadata: Metadata) -> list[str]:
     return problems
 
 
-def sharded_model_shapes(metadata: Metadata) -> dict[str, torch.Size | None]:
-    """A sharded checkpoint's model entries: name (without ``state_dict.``) -> global shape (None: not a tensor)."""
+def sharded_model_shapes(metadata: Metadata, model_key: str = "state_dict") -> dict[str, torch.Size | None]:
+    """A sharded checkpoint's model entries (under ``model_key``): name -> global shape (None: not a tensor)."""
+    prefix = model_key + "."
     return {
-        key[len(_MODEL_PREFIX) :]: (torch.Size(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
+        key[len(prefix) :]: (torch.Size(entry.size) if isinstance(entry, TensorStorageMetadata) else None)
         for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith(_MODEL_PREFIX)
+        if key.startswith(prefix)
     }
 
 
@@ -114,11 +113,23 @@ def load_full_file(path: str | os.PathLike, **kwargs: Any) -> Any:
         ) from error
 
 
-def full_model_shapes(state_dict: Any) -> dict[str, torch.Size | None] | None:
-    """Name -> shape of a full checkpoint's ``state_dict``; None when it is not a mapping."""
-    if not isinstance(state_dict, Mapping):
-        return None
-    return {str(k): (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state_dict.items()}
+def full_model_shapes(
+    weights: Any, path: str | os.PathLike, model_key: str | None = "state_dict"
+) -> dict[str, torch.Size | None]:
+    """Name -> shape of a full checkpoint's weights (its ``model_key`` entry; ``None``: the file is a bare state
+    dict).
+
+    Raises:
+        CheckpointIntegrityError: ``weights`` is not a mapping.
+
+    Example:
+        >>> full_model_shapes({"weight": torch.zeros(2, 3)}, "model.pt", None)
+        {'weight': torch.Size([2, 3])}
+    """
+    if not isinstance(weights, Mapping):
+        what = f"no `{model_key}` mapping of weights" if model_key else f"a {type(weights).__name__}, not a state dict"
+        raise CheckpointIntegrityError(f"The checkpoint {path} holds {what}.")
+    return {str(k): (v.shape if isinstance(v, torch.Tensor) else None) for k, v in weights.items()}
 
 
 # ------------------------------------------------------------------ model comparison
@@ -156,42 +167,15 @@ def _listed(items: list[str]) -> str:
     return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
 
 
-def check_sharded_fits(path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool) -> Metadata:
-    """Check a sharded checkpoint's files and its weights' names and shapes against ``model_state``.
-
-    Example:
-        >>> check_sharded_fits("out/last.ckpt", model.state_dict(), strict=True)  # doctest: +SKIP
-    """
-    metadata = check_sharded(path)
-    _raise_mismatch(path, sharded_model_shapes(metadata), model_state, strict)
-    return metadata
-
-
-def load_full_that_fits(
-    path: str | os.PathLike, model_state: Mapping[str, Any], strict: bool, mmap: bool = False
-) -> dict[str, Any]:
-    """Load a full checkpoint file and check its weights' names and shapes against ``model_state``.
-
-    ``mmap``: map the file instead of reading it (``torch.load(mmap=True)``: tensors are read when used); a file in
-    torch's legacy (non-zip) format, which cannot be mapped, is read.
-
-    Example:
-        >>> load_full_that_fits("out/model.ckpt", model.state_dict(), strict=True, mmap=True)  # doctest: +SKIP
-    """
-    mmap = mmap and zipfile.is_zipfile(path)
-    checkpoint = load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
-    saved = full_model_shapes(checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None)
-    if saved is None:
-        raise CheckpointIntegrityError(
-            f"The checkpoint {path} holds no `state_dict` mapping of weights (not Lightning's?)."
-        )
-    _raise_mismatch(path, saved, model_state, strict)
-    return checkpoint
-
-
-def _raise_mismatch(
+def check_model_fits(
     path: str | os.PathLike, saved: Mapping[str, torch.Size | None], model_state: Mapping[str, Any], strict: bool
 ) -> None:
+    """Raise :class:`CheckpointIntegrityError` when the ``saved`` weights' names and shapes do not fit
+    ``model_state`` (:func:`mismatch_problems`).
+
+    Example:
+        >>> check_model_fits("out/last.ckpt", {"weight": torch.Size([2])}, {"weight": torch.zeros(2)}, strict=True)
+    """
     message = model_mismatch_message(path, mismatch_problems(saved, expected_model_shapes(model_state), strict))
     if message is not None:
         raise CheckpointIntegrityError(message)
@@ -203,7 +187,8 @@ def model_mismatch_message(path: str | os.PathLike, problems: Iterable[str]) -> 
         return None
     return (
         f"The checkpoint {path} does not fit the model: " + "; ".join(problems) + ". Load it into the model it was "
-        "saved from, or set `strict_loading = False` on the LightningModule to skip missing and unexpected keys."
+        "saved from, or skip missing and unexpected keys: `strict_loading = False` on the LightningModule, "
+        "`fabric.load(..., strict=False)` with Fabric."
     )
 
 

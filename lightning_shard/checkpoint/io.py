@@ -1,7 +1,8 @@
 """``ShardedCheckpointIO``: sharded (torch.distributed.checkpoint) and full (one ``torch.save`` file) checkpoints.
 
-Layouts - both hold the whole Lightning checkpoint, model weights under ``"state_dict"`` with the plain module's
-parameter names and optimizer states under ``"optimizer_states"`` keyed by parameter names:
+Formats - both hold the whole checkpoint: the Trainer's, model weights under ``"state_dict"`` with the plain module's
+parameter names and optimizer states under ``"optimizer_states"`` keyed by parameter names, or a Fabric ``state``
+(weights and optimizer states under the keys the program chose; see :mod:`~lightning_shard.checkpoint.layout`):
 
 * sharded: a directory written by ``torch.distributed.checkpoint`` (DCP); every rank writes its shards.
   ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file)`` turns it into a full file.
@@ -24,6 +25,7 @@ import pickle
 import shutil
 import uuid
 import warnings
+import zipfile
 from collections.abc import Collection
 from concurrent.futures import Future
 from pathlib import Path
@@ -52,13 +54,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout, lookup
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
 from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
 
-MODEL_KEY = "state_dict"
-OPTIMIZER_KEY = "optimizer_states"
+MODEL_KEY = TRAINER_LAYOUT.model
 # Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
 WORLD_SIZE_KEY = "sharded_world_size"
 _DCP_METADATA = ".metadata"
@@ -142,12 +144,12 @@ class ShardedCheckpointIO(CheckpointIO):
         if _holds_shards(checkpoint):
             self.save_sharded(checkpoint, path)
         else:
-            self._save_full(checkpoint, path)
+            self.save_full(checkpoint, path)
 
-    def save_sharded(self, checkpoint: dict[str, Any], path: _PATH) -> None:
-        """Write ``checkpoint`` as a sharded directory; call on every rank. Its weights and optimizer states are
-        written as DCP tensors (each rank its shards; whole tensors without a process group), everything else as
-        one pickled object per key, so empty containers survive (see :class:`_Pickled`).
+    def save_sharded(self, checkpoint: dict[str, Any], path: _PATH, layout: StateLayout = TRAINER_LAYOUT) -> None:
+        """Write ``checkpoint`` as a sharded directory; call on every rank. Its weights and optimizer states (where
+        ``layout`` says) are written as DCP tensors (each rank its shards; whole tensors without a process group),
+        everything else as one pickled object per key, so empty containers survive (see :class:`_Pickled`).
 
         Example:
             >>> full = torch.load("full.ckpt", mmap=True, weights_only=False)  # doctest: +SKIP
@@ -155,12 +157,13 @@ class ShardedCheckpointIO(CheckpointIO):
         """
         path = Path(path)
         staging = _staging_path(path)
+        tensor_keys = layout.tensor_keys()
         payload = {
-            key: value if key in (MODEL_KEY, OPTIMIZER_KEY) else _opaque(value) for key, value in checkpoint.items()
+            key: value if key in tensor_keys else _opaque(value) for key, value in _recorded(checkpoint, layout).items()
         }
         payload[WORLD_SIZE_KEY] = world_size()
         if self.async_save:
-            self._save_in_background(payload, staging, path)
+            self._save_in_background(payload, staging, path, layout.model)
             return
         dcp.save(payload, checkpoint_id=staging)
         barrier()
@@ -168,14 +171,14 @@ class ShardedCheckpointIO(CheckpointIO):
             _replace(staging, path)
         barrier()
 
-    def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path) -> None:
+    def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
         self.wait()
         if self._async_group is None and _distributed_is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
         if self._stager is None or not _STAGER_KEEPS_BUFFERS:
             # Pinned buffers pay when they are kept; allocating and pinning them anew for every save would not.
-            pinned = _STAGER_KEEPS_BUFFERS and any(value.device.type == "cuda" for value in payload[MODEL_KEY].values())
+            pinned = _STAGER_KEEPS_BUFFERS and any(value.device.type == "cuda" for value in payload[model_key].values())
             self._stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=pinned,
@@ -211,11 +214,13 @@ class ShardedCheckpointIO(CheckpointIO):
         if future is not None:
             future.result()
 
-    def _save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def save_full(self, checkpoint: dict[str, Any], path: _PATH, layout: StateLayout = TRAINER_LAYOUT) -> None:
+        """Write ``checkpoint`` (gathered on rank 0) as one file from rank 0; call on every rank."""
+        path = Path(path)
         staging = _staging_path(path)
         if rank() == 0:
             staging.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checkpoint, staging)
+            torch.save(_recorded(checkpoint, layout), staging)
             _replace(staging, path)
         barrier()
 
@@ -254,10 +259,13 @@ class ShardedCheckpointIO(CheckpointIO):
         optimizers: list[Optimizer],
         strict: bool = True,
         weights_only: bool | None = None,
+        layout: StateLayout = TRAINER_LAYOUT,
         absent: Collection[str] = (),
     ) -> dict[str, Any]:
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
-        from a checkpoint of either format; return the rest of the checkpoint. Call on every rank.
+        from a checkpoint of either format and either layout; return the rest of the checkpoint (its weights and
+        optimizer states left out). ``layout`` names the optimizers: a Fabric layout's keys are looked up by name in a
+        Fabric checkpoint. Call on every rank.
 
         ``absent``: model tensors the checkpoint leaves out on purpose (frozen pretrained weights, read from their
         files): neither expected nor loaded; they keep their values."""
@@ -268,57 +276,126 @@ class ShardedCheckpointIO(CheckpointIO):
         # torch's own state-dict functions).
         with torch.no_grad(), gc_paused():
             if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
-                return self._load_sharded(path, model, optimizers, strict, set(absent))
-            return self._load_full(path, model, optimizers, strict, set(absent))
+                return self._load_sharded(path, model, optimizers, strict, layout, set(absent))
+            return self._load_full(path, model, optimizers, strict, layout, set(absent))
+
+    def load_raw_into(self, path: _PATH, model: nn.Module, strict: bool = True) -> None:
+        """Load a file holding only a state dict (``torch.save(model.state_dict(), path)``) into the sharded
+        ``model``: rank 0 maps it, checks it and broadcasts it unit by unit. Call on every rank.
+
+        Example:
+            >>> ShardedCheckpointIO().load_raw_into("lit_model.pth", sharded_model)  # doctest: +SKIP
+        """
+        path = _existing(path)
+        if path.is_dir():
+            raise IsADirectoryError(
+                f"{path} is a sharded checkpoint, not a file holding a state dict; load it with "
+                "`fabric.load(path, {'model': model})`."
+            )
+        with torch.no_grad(), gc_paused():
+            self._load_full(path, model, [], strict, None, set())
 
     def _load_sharded(
-        self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool, absent: set[str]
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool,
+        layout: StateLayout,
+        absent: set[str],
     ) -> dict:
         model_state, optimizer_states = _live_states(model, optimizers)
         saved_state = {name: value for name, value in model_state.items() if name not in absent}
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
-        metadata = integrity.agreed(lambda: integrity.check_sharded_fits(path, saved_state, strict))
-        saved_keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
-        target: dict[str, Any] = {MODEL_KEY: saved_state}
-        if optimizers:
-            if OPTIMIZER_KEY not in saved_keys:
-                raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
-            target[OPTIMIZER_KEY] = [{"state": state["state"]} for state in optimizer_states]
+        metadata, saved = integrity.agreed(lambda: _check_sharded(path, saved_state, strict))
+        sources = layout.sources(saved, len(optimizers))
+        saved_paths = [tuple((metadata.planner_data or {}).get(key, (key,))) for key in metadata.state_dict_metadata]
+        if any(not any(saved_path[: len(source)] == source for saved_path in saved_paths) for source in sources):
+            raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
+        target: dict[str, Any] = {}
+        set_element(target, (saved.model,), saved_state)
+        for source, state in zip(sources, optimizer_states, strict=True):
+            set_element(target, (*source, "state"), state["state"])
         # One pass over the files for everything: the live shards are filled in place, the rest of the checkpoint
         # (loops, callbacks, ..., param groups) is read into `target` alongside; `.metadata` is not read again.
-        _add_saved_entries(target, metadata, len(optimizers))
+        _add_saved_entries(target, metadata, saved, sources)
         reader = InPlaceFileSystemReader(path, metadata)
         planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
         # Each rank plans and reads on its own (DCP's global load plan is each rank's own plan, unchanged), then one
         # agreement instead of DCP's three collectives: an error on any rank is raised on every rank.
         integrity.agreed(lambda: _load_without_collectives(target, reader, planner))
-        model_state.update(target.pop(MODEL_KEY))
-        _set_live_states(model, optimizers, model_state, target.pop(OPTIMIZER_KEY, []), strict)
-        return target
+        model_state.update(target[saved.model])
+        loaded = [lookup(target, source) for source in sources]
+        _set_live_states(model, optimizers, model_state, loaded, strict)
+        return _without_states(target, saved)
 
     def _load_full(
-        self, path: Path, model: nn.Module, optimizers: list[Optimizer], strict: bool, absent: set[str]
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        strict: bool,
+        layout: StateLayout | None,
+        absent: set[str],
     ) -> dict:
         # Rank 0 alone maps and checks the file (its data is read later, unit by unit); the others learn its
         # verdict before waiting in the broadcasts, and receive their shards without touching the file.
         model_state = self.model_state(model, full=False, leave_out=absent)
-        checkpoint = integrity.agreed(
-            lambda: integrity.load_full_that_fits(path, model_state, strict, mmap=True), rank() == 0
-        )
-        checkpoint = checkpoint or {}
-        if optimizers and not broadcast_object(OPTIMIZER_KEY in checkpoint):
+        found = integrity.agreed(lambda: _check_full(path, model_state, strict, layout, len(optimizers)), rank() == 0)
+        checkpoint, weights, optimizer_states = found or ({}, None, None)
+        if optimizers and not broadcast_object(optimizer_states is not None):
             raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
-        load_full_unit_by_unit(
-            checkpoint.pop(MODEL_KEY, None),
-            checkpoint.pop(OPTIMIZER_KEY, None),
-            model,
-            optimizers,
-            strict=strict,
-            mapped_file=path,
-        )
+        load_full_unit_by_unit(weights, optimizer_states, model, optimizers, strict=strict, mapped_file=path)
         # Copied: nothing handed to Lightning may keep the mapped file alive (a ModelCheckpoint score is a tensor).
         return broadcast_object(copy.deepcopy(checkpoint))
+
+
+def _check_sharded(path: Path, model_state: dict[str, Any], strict: bool) -> tuple[Metadata, StateLayout]:
+    """The files whole and the weights' names and shapes against the model's: the metadata and the layout."""
+    metadata = integrity.check_sharded(path)
+    saved = _recorded_layout(path, metadata)
+    integrity.check_model_fits(path, integrity.sharded_model_shapes(metadata, saved.model), model_state, strict)
+    return metadata, saved
+
+
+def _check_full(
+    path: Path, model_state: dict[str, Any], strict: bool, layout: StateLayout | None, optimizers: int
+) -> tuple[dict[str, Any], Any, list[Any] | None]:
+    """Map the file and check its weights against the model's: the checkpoint without its weights and optimizer
+    states, the weights, and the requested optimizers' states (None if the file holds none). ``layout=None``: the
+    file is a bare state dict."""
+    mmap = zipfile.is_zipfile(path)  # a file in torch's legacy format cannot be mapped; it is read
+    checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
+    if layout is None:
+        integrity.check_model_fits(path, integrity.full_model_shapes(checkpoint, path, None), model_state, strict)
+        return {}, checkpoint, None
+    saved = StateLayout.from_record(checkpoint.get(LAYOUT_KEY) if isinstance(checkpoint, dict) else None)
+    weights = checkpoint.get(saved.model) if isinstance(checkpoint, dict) else None
+    integrity.check_model_fits(path, integrity.full_model_shapes(weights, path, saved.model), model_state, strict)
+    optimizer_states = [lookup(checkpoint, source) for source in layout.sources(saved, optimizers)]
+    found = None if any(state is None for state in optimizer_states) else optimizer_states
+    return _without_states(checkpoint, saved), weights, found
+
+
+def _recorded_layout(path: Path, metadata: Metadata) -> StateLayout:
+    """The layout a sharded checkpoint recorded (one small pickled entry); the Trainer's if it recorded none."""
+    entry = metadata.state_dict_metadata.get(LAYOUT_KEY)
+    if entry is None:
+        return TRAINER_LAYOUT
+    target: dict[str, Any] = {LAYOUT_KEY: entry}
+    _load_without_collectives(target, InPlaceFileSystemReader(path, metadata), dcp.DefaultLoadPlanner())
+    return StateLayout.from_record(target[LAYOUT_KEY])
+
+
+def _recorded(checkpoint: dict[str, Any], layout: StateLayout) -> dict[str, Any]:
+    """``checkpoint`` with its layout recorded, unless it is the Trainer's."""
+    return checkpoint if layout.is_trainer else {**checkpoint, LAYOUT_KEY: layout.record()}
+
+
+def _without_states(checkpoint: dict[str, Any], saved: StateLayout) -> dict[str, Any]:
+    """The rest of a loaded checkpoint: its weights and optimizer states are in the model and optimizers now."""
+    return {key: value for key, value in checkpoint.items() if key not in saved.tensor_keys()}
 
 
 def _live_states(model: nn.Module, optimizers: list[Optimizer]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -350,17 +427,19 @@ def _load_without_collectives(target: dict[str, Any], reader: dcp.StorageReader,
         dcp.load(target, storage_reader=reader, planner=planner, no_dist=True)
 
 
-def _add_saved_entries(target: dict[str, Any], metadata: Metadata, optimizers: int) -> None:
+def _add_saved_entries(
+    target: dict[str, Any], metadata: Metadata, saved: StateLayout, sources: list[tuple[str | int, ...]]
+) -> None:
     """Put placeholders into ``target`` for the entries read as saved rather than into live tensors: everything
-    outside the weights and optimizer states (loops, callbacks, schedulers, ...) and the first ``optimizers``
-    optimizers' param groups (their hyper-parameters: the saved ones win, as in ``Optimizer.load_state_dict``).
-    Rebuilt from the metadata as DCP's own ``_EmptyStateDictLoadPlanner`` rebuilds a whole checkpoint, so that the
-    same ``dcp.load`` reads them."""
+    outside the weights and optimizer states (loops, callbacks, schedulers, ...) and the param groups of the
+    optimizers loaded from ``sources`` (their hyper-parameters: the saved ones win, as in
+    ``Optimizer.load_state_dict``). Rebuilt from the metadata as DCP's own ``_EmptyStateDictLoadPlanner`` rebuilds a
+    whole checkpoint, so that the same ``dcp.load`` reads them."""
+    tensor_keys = saved.tensor_keys()
+    param_groups = [(*source, "param_groups") for source in sources]
     for key, entry in metadata.state_dict_metadata.items():
         path = (metadata.planner_data or {}).get(key, (key,))
-        if path[0] == MODEL_KEY:
-            continue
-        if path[0] == OPTIMIZER_KEY and not (len(path) > 2 and path[1] < optimizers and path[2] == "param_groups"):
+        if path[0] in tensor_keys and not any(tuple(path[: len(group)]) == group for group in param_groups):
             continue
         if isinstance(entry, TensorStorageMetadata):
             entry = torch.empty(entry.size, dtype=entry.properties.dtype)

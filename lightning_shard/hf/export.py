@@ -452,7 +452,7 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
         tensors = {key: value for key, value in checkpoint[MODEL_KEY].items() if isinstance(value, torch.Tensor)}
         return _Checkpoint(
             path,
-            dict(full_model_shapes(tensors)),
+            full_model_shapes(tensors, path),
             {key: tensor.dtype for key, tensor in tensors.items()},
             read_full,
             read_hyper_parameters,

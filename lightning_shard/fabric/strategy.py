@@ -1,0 +1,293 @@
+"""``ShardedStrategy`` for Lightning Fabric: FSDP2 ``fully_shard`` behind ``Fabric(strategy="fully_sharded")``.
+
+A thin adapter: Fabric's hooks translated into calls of the core the Trainer strategy uses too
+(:class:`~lightning_shard.strategy_core.ShardedStrategyCore`: process group, mesh, the sharding plan, precision
+policy, checkpoint IO). What Fabric calls, in a typical loop:
+
+* ``fabric.launch()`` - ``setup_environment``: process group and device mesh.
+* ``fabric.init_module(empty_init=True)`` - ``module_init_context``: the meta device (materialised at setup by the
+  project's initialisation rule: ``reset_parameters()`` / Hugging Face ``_init_weights`` from rank 0's stream).
+* ``fabric.setup(model, optimizer)`` / ``fabric.setup_module`` + ``fabric.setup_optimizers`` - ``setup_module``:
+  the plan (activation checkpointing, per-block compile, ``fully_shard``, materialisation); optimizers built before
+  setup are pointed at the sharded parameters.
+* ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync`` (skips the reduce-scatter only under
+  ``gradient_accumulation="unsharded"``), ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` in the sharded or
+  full format, at any world size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH, Optimizable
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shard.checkpoint.unit_load import _visible_name
+from lightning_shard.devices import place_unmanaged_state
+from lightning_shard.direct_calls import drop_gathered_parameters
+from lightning_shard.fabric.precision import ShardedPrecision
+from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
+from lightning_shard.materialize import meta_construction
+from lightning_shard.precision import clip_grad_norm
+from lightning_shard.settings import StrategySettings
+from lightning_shard.strategy_core import ShardedStrategyCore
+
+
+class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
+    """Fully Sharded Data Parallel training on FSDP2 ``fully_shard`` for Lightning Fabric, on CPU (gloo) and CUDA
+    (nccl).
+
+    Args:
+        **settings: the settings of the Trainer's :class:`lightning_shard.ShardedStrategy` - ``sharding_strategy``,
+            ``auto_wrap_policy``, ``activation_checkpointing``, ``reshard_after_forward``, ``forward_prefetch``,
+            ``cpu_offload``, ``hybrid_shard_size``, ``reduce_dtype``, ``state_dict_type``, ``async_save``,
+            ``cpu_collectives``, ``compile``, ``gradient_accumulation``, ``process_group_backend``, ``timeout``,
+            ``start_method`` - with the same checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated
+            (``activation_checkpointing_policy``, ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
+            ``gradient_accumulation`` decides what ``fabric.no_backward_sync(model, enabled=True)`` does:
+            ``"sharded"`` (default) still reduce-scatters every micro-batch, ``"unsharded"`` skips it.
+
+    Example:
+        >>> import lightning as L
+        >>> from litgpt.model import Block  # doctest: +SKIP
+        >>> strategy = ShardedStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block},
+        ...                            state_dict_type="full")  # doctest: +SKIP
+        >>> fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=2)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        parsed = StrategySettings.from_arguments(settings)
+        if not parsed.config.save_frozen_pretrained_weights:
+            raise ValueError(
+                "`save_frozen_pretrained_weights=False` is a setting of the Trainer strategy. With Fabric, choose what "
+                "a checkpoint holds with Fabric's own `filter`, e.g. `fabric.save(path, state, filter={'model': lambda "
+                "name, value: 'lora_' in name})`, and load it with `fabric.load(path, state, strict=False)`."
+            )
+        checkpoint_io = self._init_settings(parsed, checkpoint_io)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._backward_sync_control = _GradientSyncControl(self)
+        # The parameters `fully_shard` replaced (by id; weak, and compared by identity, never by tensor `==`): an
+        # optimizer still holding one would train nothing.
+        self._replaced_parameters: weakref.WeakValueDictionary[int, torch.nn.Parameter] = weakref.WeakValueDictionary()
+        # The models set up here: an optimizer step or a load changes their shards (Fabric's step names no model).
+        self._sharded_models: weakref.WeakSet[Module] = weakref.WeakSet()
+
+    @property  # type: ignore[override]
+    @override
+    def precision(self) -> ShardedPrecision:
+        if self._precision is None:
+            self._precision = ShardedPrecision(reduce_dtype=self._reduce_dtype)
+        return self._precision  # type: ignore[return-value]  (the setter admits only ShardedPrecision)
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = self._sharded_precision(precision, ShardedPrecision)
+
+    # ------------------------------------------------------------------ launch and process group
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method != "popen":
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_process_group()
+        self.precision.use_device(self.root_device)
+
+    # ------------------------------------------------------------------ model and optimizers
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``empty_init=True``: build on the meta device (``setup`` shards, then materialises each module by the
+        initialisation rule, so the weights equal an eager build); otherwise on this rank's device."""
+        stack = ExitStack()
+        stack.enter_context(meta_construction() if empty_init else self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
+        """Shard ``module`` and point ``optimizers`` (built on its parameters before sharding, on the meta device
+        too) at the sharded parameters of the same names."""
+        names = {id(param): name for name, param in module.named_parameters()}
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError(
+                    f"The optimizer {type(optimizer).__name__} has state already (it stepped before `fabric.setup`); "
+                    "its per-parameter states cannot follow the parameters into their shards. Create it fresh, or "
+                    "load its states with `fabric.load` after setup."
+                )
+        module = self.setup_module(module)
+        sharded = {_visible_name(name): param for name, param in module.named_parameters()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [_sharded_counterpart(param, names, sharded) for param in group["params"]]
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        if any(isinstance(child, FSDP1) for child in module.modules()):
+            raise TypeError(
+                "The model holds FSDP1 `FullyShardedDataParallel` modules; the sharded strategy applies FSDP2's "
+                "`fully_shard` itself. Pass the plain model."
+            )
+        if not isinstance(module, FSDPModule):
+            self._replaced_parameters.update({id(param): param for param in module.parameters()})
+            # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
+            # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
+            accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
+            self._shard_module(module, self.precision, accumulate)
+        self._sharded_models.add(module)
+        place_unmanaged_state(module, self.root_device)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        stale = [param for param in params if self._replaced_parameters.get(id(param)) is param]
+        if stale:
+            raise ValueError(
+                f"The optimizer {type(optimizer).__name__} holds {len(stale)} parameters that sharding replaced, so "
+                "it would update nothing. Create it after `fabric.setup_module(model)` from the sharded model's "
+                "parameters, or set both up together: `fabric.setup(model, optimizer)`."
+            )
+        self._check_optimizers_are_elementwise([optimizer])
+        return optimizer
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        # `setup_module` places the model: `fully_shard` its parameters and buffers, `place_unmanaged_state` the rest.
+        pass
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._after_optimizer_step(*self._sharded_models)
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip to a global norm over all shards; returns that norm (before clipping) on every rank."""
+        self.precision.unscale_gradients(optimizer)
+        parameters = self.precision.main_params(optimizer)
+        return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Write ``state`` as a sharded directory or one file (``state_dict_type``), atomically; every rank calls."""
+        if storage_options is not None:
+            raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
+        path = self.broadcast(str(path))
+        full = self.config.state_dict_type == "full"
+        checkpoint, layout = checkpoint_from_state(state, self.checkpoint_io, full=full, filter=filter)
+        if full:
+            self.checkpoint_io.save_full(checkpoint, path, layout)
+        else:
+            self.checkpoint_io.save_sharded(checkpoint, path, layout)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint of either format, written at any world size by this strategy or the Trainer's, into
+        ``state``; return what ``state`` did not ask for. ``state`` a module: a file holding its bare state dict
+        (``fabric.load_raw``)."""
+        if weights_only:
+            raise ValueError(
+                "`weights_only=True` is not supported: a sharded checkpoint's non-tensor entries are pickled objects "
+                "read by torch.distributed.checkpoint. Load checkpoints you trust with the default."
+            )
+        path = self.broadcast(str(path))
+        if not state:
+            return self.checkpoint_io.load_checkpoint(path)
+        if isinstance(state, Module):
+            self.checkpoint_io.load_raw_into(path, state, strict=strict)
+            drop_gathered_parameters(state)  # gathered before the load (a call after a step): stale now
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Loading an optimizer alone is not supported: its sharded states are keyed by the model's parameter "
+                "names. Load it with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            )
+        model, optimizers, layout = layout_of(state, "load")
+        rest = self.checkpoint_io.load_into(path, model, list(optimizers.values()), strict=strict, layout=layout)
+        drop_gathered_parameters(model)
+        return restore_rest(state, rest, layout, strict)
+
+
+class _GradientSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled)``: the core's rule for accumulation micro-batches."""
+
+    def __init__(self, strategy: ShardedStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy._gradient_sync_skipped(module, skip=enabled)
+
+
+def _sharded_counterpart(
+    param: torch.nn.Parameter, names: dict[int, str], sharded: dict[str, torch.nn.Parameter]
+) -> torch.nn.Parameter:
+    name = names.get(id(param))
+    if name is None or name not in sharded:
+        raise ValueError(
+            "An optimizer passed to `fabric.setup(model, optimizer)` holds a parameter that is not the model's; "
+            "under the sharded strategy every optimized parameter must belong to the model set up with it."
+        )
+    return sharded[name]
