@@ -36,7 +36,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.checkpoint.unit_load import _visible_name
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
@@ -45,6 +44,7 @@ from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import clip_grad_norm
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
+from lightning_shard.torch_compat import visible_name
 
 
 class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
@@ -154,7 +154,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                     "load its states with `fabric.load` after setup."
                 )
         module = self.setup_module(module)
-        sharded = {_visible_name(name): param for name, param in module.named_parameters()}
+        sharded = {visible_name(name): param for name, param in module.named_parameters()}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [_sharded_counterpart(param, names, sharded) for param in group["params"]]
