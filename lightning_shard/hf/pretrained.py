@@ -95,8 +95,20 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     config, model_kwargs = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
     build = getattr(model_class, "from_config", None) or model_class._from_config
     model = build(config, **model_kwargs)
-    model.__dict__[_PRETRAINED] = plan_load(model, str(path), stored_tensors(_reader(path).read_metadata()))
+    model.__dict__[_PRETRAINED] = plan_files(model, path)
     return model
+
+
+def plan_files(model: nn.Module, path: str | Path) -> LoadPlan:
+    """Which tensor of ``path``'s safetensors files fills which tensor of ``model`` (built on the meta device from
+    ``path``'s config), as transformers' ``from_pretrained`` matches them (:func:`~lightning_shard.hf.conversion.
+    plan_load`: checked, nothing read).
+
+    Example:
+        >>> plan_files(meta_llama, "checkpoints/llama").renamed["lm_head.weight"]  # doctest: +SKIP
+        'lm_head.weight'
+    """
+    return plan_load(model, str(path), stored_tensors(_reader(path).read_metadata()))
 
 
 def planned_load(model: nn.Module) -> bool:
