@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,17 +209,12 @@ def test_the_adapter_is_what_peft_saves_of_the_trained_model(
         assert config == expected_config and config["base_model_name_or_path"] == str(runs / "llama" / "lora_base")
 
 
-def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
-    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Memory as for any export: each read holds one output shard's weights plus the adapters of the modules in it.
-    import lightning_shard.hf.export as export
+def recording_reads(open_source: Callable[..., Any], reads: list[int]) -> Callable[..., Any]:
+    """``open_source`` (one of the export's functions that return its checkpoint ``_Checkpoint``), whose sources add
+    the bytes of each read to ``reads``."""
 
-    opened = export._open_checkpoint
-    reads: list[int] = []
-
-    def recording(path: Path) -> Any:
-        source = opened(path)
+    def recording(*args: Any) -> Any:
+        source = open_source(*args)
         read = source.read
 
         def read_and_record(keys: dict[str, str]) -> Any:
@@ -228,7 +224,17 @@ def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
         source.read = read_and_record
         return source
 
-    monkeypatch.setattr(export, "_open_checkpoint", recording)
+    return recording
+
+
+def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Memory as for any export: each read holds one output shard's weights plus the adapters of the modules in it.
+    import lightning_shard.hf.export as export
+
+    reads: list[int] = []
+    monkeypatch.setattr(export, "_open_checkpoint", recording_reads(export._open_checkpoint, reads))
     done = export.export_hf(
         runs / "llama" / "sharded.ckpt",
         tmp_path / "out",

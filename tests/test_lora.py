@@ -276,23 +276,12 @@ def test_a_merged_small_checkpoint_is_read_one_shard_at_a_time(
     # Memory as for any export: each read holds one output shard's tensors (the base ones from the files) plus the
     # adapters of the modules in it.
     from safetensors.torch import load_file
+    from test_hf_export import recording_reads
 
     import lightning_shard.hf.export as export
 
-    with_base, reads = export._with_base, []
-
-    def recording(source: Any, base: Any) -> Any:
-        combined = with_base(source, base)
-        read = combined.read
-
-        def read_and_record(keys: dict[str, str]) -> Any:
-            reads.append(sum(combined.shapes[k].numel() * combined.dtypes[k].itemsize for k in keys))
-            return read(keys)
-
-        combined.read = read_and_record
-        return combined
-
-    monkeypatch.setattr(export, "_with_base", recording)
+    reads: list[int] = []
+    monkeypatch.setattr(export, "_with_base", recording_reads(export._with_base, reads))
     done = export.export_hf(
         results["two"] / f"llama-{LAST}", tmp_path / "out", checkpoints / "llama", merge_lora=True,
         lora_config=lora_fields("llama"), max_shard_size="20KB",
