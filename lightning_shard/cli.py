@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_shard.checkpoint.convert import convert, inspect
+from lightning_shard.checkpoint.integrity import CheckpointIntegrityError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             info = inspect(args.path)
             print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in info.items()))
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as error:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError, CheckpointIntegrityError) as error:
         print(f"lightning-shard {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -45,7 +45,7 @@ from lightning_shard.construction import (
     record_construction,
     storage_key,
 )
-from lightning_shard.torch_compat import reregister_sharded_parameters, tree_map
+from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, tree_map
 
 
 @dataclass(eq=False)
@@ -537,7 +537,7 @@ class FullSizeParameters:
                     full = getattr(module, name)
                     if scratch or not isinstance(param, DTensor):
                         continue
-                    if self.unset == "nan" and full.is_floating_point() and bool(full.isnan().any()):
+                    if self.unset == "nan" and _left_nan(full):
                         owner = type(module).__name__.removeprefix("FSDP" if isinstance(module, FSDPModule) else "")
                         raise RuntimeError(
                             f"`{owner}.{name}` was left uninitialised: its model's initialisation "
@@ -549,6 +549,12 @@ class FullSizeParameters:
         finally:
             for name, (param, _) in swapped.items():
                 module.register_parameter(name, param)
+
+
+def _left_nan(full: torch.Tensor) -> bool:
+    """Whether an init left NaN in the floating-point ``full``; a fake tensor (the memory simulation's) has no values
+    to check and is never a model's weight."""
+    return full.is_floating_point() and holds_values(full) and bool(full.isnan().any())
 
 
 def _use_rank_zero_rng() -> None:

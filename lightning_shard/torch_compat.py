@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from torch.distributed.checkpoint.utils import _create_file_view as file_view  # noqa: F401  (re-exported)
 from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
-from torch.utils._pytree import tree_map  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (re-exported)
 
 # torch's zip-archive reader (``torch.load`` uses it; ``get_record_offset`` is what ``torch.load(mmap=True)`` uses).
 PyTorchFileReader = torch._C.PyTorchFileReader
@@ -223,6 +223,19 @@ def fsdp_comm_base_classes() -> tuple[type, type]:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
+
+
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values can be read: not a fake tensor (``FakeTensorMode``, the memory simulation's: shape,
+    dtype and device only; reading a value raises ``DataDependentOutputException``).
+
+    Example:
+        >>> holds_values(torch.zeros(2))
+        True
+    """
+    from torch._subclasses.fake_tensor import is_fake  # imported by torch itself
+
+    return not is_fake(tensor)
 
 
 def memory_simulation_tools() -> dict[str, Any]:

@@ -56,6 +56,11 @@ def write_checkpoints(root: Path) -> None:
     llama.to(torch.bfloat16).save_pretrained(root / "llama-changed")
 
 
+def lora_fields(family: str) -> dict[str, Any]:
+    """The ``LoraConfig`` arguments of ``family``'s adapters (GPT-2's ``Conv1D`` stores its weights transposed)."""
+    return {"r": 8, "lora_alpha": 16, "target_modules": TARGETS[family], "fan_in_fan_out": family == "gpt2"}
+
+
 class LoraModule(L.LightningModule):
     """``self.model = get_peft_model(base, LoraConfig(r=8, target_modules=TARGETS[family]))``, the base from a config
     or ``pretrained`` (``lightning_shard.hf.from_pretrained``: shard by shard on the meta device, transformers'
@@ -74,8 +79,7 @@ class LoraModule(L.LightningModule):
             base = lightning_shard.hf.from_pretrained(AutoModelForCausalLM, self.pretrained, dtype=torch.float32)
         else:
             base = AutoModelForCausalLM.from_config(llama_config() if self.family == "llama" else gpt2_config())
-        lora = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[self.family], fan_in_fan_out=self.family == "gpt2")
-        return get_peft_model(base, lora)
+        return get_peft_model(base, LoraConfig(**lora_fields(self.family)))
 
     def configure_model(self) -> None:
         if self.model is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ def test_the_adapter_is_what_peft_saves_of_the_trained_model(
     reference = _reference_model(runs, "lora")
     reference.save_pretrained(tmp_path / "peft")
     expected = load_file(tmp_path / "peft" / "adapter_model.safetensors")
-    expected_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    expected_config = _adapter_config(tmp_path / "peft")
     for name in ("lora-adapter-sharded", "lora-adapter-full"):
         out = exports[name]
         assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
@@ -204,21 +205,23 @@ def test_the_adapter_is_what_peft_saves_of_the_trained_model(
         with safe_open(out / "adapter_model.safetensors", "pt") as file:
             assert file.metadata() == {"format": "pt"}
         # peft's own, also where the base came from (peft takes the base model's name_or_path)
-        config = json.loads((out / "adapter_config.json").read_text())
+        config = _adapter_config(out)
         assert config == expected_config and config["base_model_name_or_path"] == str(runs / "llama" / "lora_base")
 
 
-def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
-    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Memory as for any export: each read holds one output shard's weights plus the adapters of the modules in it.
-    import lightning_shard.hf.export as export
+def _adapter_config(directory: Path) -> dict[str, Any]:
+    """A peft ``adapter_config.json``; ``target_modules`` sorted: peft keeps them as a set and writes it in the set's
+    order, which depends on how it was built and on the strings' hashes (one run in a few wrote v_proj first)."""
+    config = json.loads((directory / "adapter_config.json").read_text())
+    return {**config, "target_modules": sorted(config["target_modules"])}
 
-    opened = export._open_checkpoint
-    reads: list[int] = []
 
-    def recording(path: Path) -> Any:
-        source = opened(path)
+def recording_reads(open_source: Callable[..., Any], reads: list[int]) -> Callable[..., Any]:
+    """``open_source`` (one of the export's functions that return its checkpoint ``_Checkpoint``), whose sources add
+    the bytes of each read to ``reads``."""
+
+    def recording(*args: Any) -> Any:
+        source = open_source(*args)
         read = source.read
 
         def read_and_record(keys: dict[str, str]) -> Any:
@@ -228,7 +231,17 @@ def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
         source.read = read_and_record
         return source
 
-    monkeypatch.setattr(export, "_open_checkpoint", recording)
+    return recording
+
+
+def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Memory as for any export: each read holds one output shard's weights plus the adapters of the modules in it.
+    import lightning_shard.hf.export as export
+
+    reads: list[int] = []
+    monkeypatch.setattr(export, "_open_checkpoint", recording_reads(export._open_checkpoint, reads))
     done = export.export_hf(
         runs / "llama" / "sharded.ckpt",
         tmp_path / "out",

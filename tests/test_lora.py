@@ -15,6 +15,7 @@ eager build, a tensor of the base held outside the model refused.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ from torch.distributed.tensor import DTensor
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from hf_run import llama_config  # noqa: E402
-from lora_run import EPOCH_STEPS, FAMILIES, MAX_STEPS, SMALL_CHECKPOINT, write_checkpoints  # noqa: E402
+from lora_run import EPOCH_STEPS, FAMILIES, MAX_STEPS, SMALL_CHECKPOINT, lora_fields, write_checkpoints  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModel, AutoModelForCausalLM  # noqa: E402
 
 import lightning_shard.hf  # noqa: E402
 from lightning_shard import ShardingConfig  # noqa: E402
+from lightning_shard.cli import main as cli_main  # noqa: E402
 from lightning_shard.hf.frozen_weights import RECORD_KEY  # noqa: E402
 from lightning_shard.materialize import meta_construction  # noqa: E402
 from lightning_shard.parallelize import parallelize_module  # noqa: E402
@@ -196,6 +198,123 @@ def test_resuming_refuses_missing_or_changed_files(results: dict[str, Path], che
     assert "did not read 21 of them from pretrained files" in errors["not_pretrained"]
 
 
+# ---------------------------------------------------------------------------------------------- export-hf of them
+
+# The 2-rank run's last small checkpoints (step 10: the weights recorded at the end of training).
+LAST = f"small-step={MAX_STEPS}.ckpt"
+EXPORTS = [f"{family}-{how}" for family in FAMILIES for how in ("merged", "adapter")]
+
+
+def _lora_config_file(results: dict[str, Path], family: str) -> Path:
+    """The run's LoRA configuration for ``--lora-config`` (lora_run's module saves no hyper-parameters)."""
+    path = results["two"] / f"{family}-lora.json"
+    path.write_text(json.dumps(lora_fields(family)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_exports(results: dict[str, Path], checkpoints: Path) -> dict[str, Path]:
+    """Each family's last small checkpoint (Llama sharded, GPT-2 full) exported by the CLI, merged and as an adapter,
+    the base read from the pretrained directory given as ``--config``; name -> directory."""
+    made = {}
+    for family in FAMILIES:
+        lora = _lora_config_file(results, family)
+        for how, flag in (("merged", "--merge-lora"), ("adapter", "--adapter-only")):
+            out = results["two"] / "exports" / f"{family}-{how}"
+            args = [str(results["two"] / f"{family}-{LAST}"), str(out), "--config", str(checkpoints / family)]
+            assert cli_main(["export-hf", *args, flag, "--lora-config", str(lora)]) == 0
+            made[f"{family}-{how}"] = out
+    return made
+
+
+@pytest.fixture(scope="module")
+def small_loaded(results: dict[str, Path], checkpoints: Path, small_exports: dict[str, Path]) -> dict[str, Any]:
+    """Every export loaded in one process without lightning_shard (test_hf_export's loader): a merged one by plain
+    transformers, an adapter by ``PeftModel.from_pretrained`` on the pretrained base."""
+    from test_hf_export import LOADER
+
+    torch.save(_input_ids(), results["two"] / "ids.pt")
+    dirs = ",".join(
+        f"{name}={path}" + (f"={checkpoints / name.split('-')[0]}" if name.endswith("adapter") else "")
+        for name, path in small_exports.items()
+    )
+    run_script("-I", "-c", LOADER, dirs, str(results["two"] / "ids.pt"), str(results["two"] / "loaded.pt"))
+    return torch.load(results["two"] / "loaded.pt", weights_only=False)
+
+
+def _input_ids() -> torch.Tensor:
+    return torch.randint(0, llama_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _trained_logits(results: dict[str, Path], checkpoints: Path, family: str) -> torch.Tensor:
+    """The logits of the model the 2-rank run trained: peft's model with the weights gathered at its end."""
+    two, _ = load(results, f"{family}-pretrained-meta")
+    base = AutoModelForCausalLM.from_pretrained(checkpoints / family)
+    model = get_peft_model(base, LoraConfig(**lora_fields(family)))
+    model.load_state_dict({key.removeprefix("model."): value for key, value in two["end"].items()})
+    with torch.no_grad():
+        return model.eval()(input_ids=_input_ids()).logits
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_small_checkpoint_exports_load_with_the_trained_logits(
+    results: dict[str, Path], checkpoints: Path, small_loaded: dict[str, Any], name: str
+) -> None:
+    result = small_loaded["results"][name]
+    assert small_loaded["imported"] == []
+    assert all(not keys for keys in result["info"].values()), result["info"]  # no missing/unexpected/mismatched
+    trained = _trained_logits(results, checkpoints, name.split("-")[0])
+    difference = (result["logits"] - trained).abs().max().item()
+    print(f"{name}: max |logits - trained| = {difference:.2e}")
+    assert difference <= TOL
+    assert result["tied"] is name.startswith("gpt2")
+
+
+def test_a_merged_small_checkpoint_is_read_one_shard_at_a_time(
+    results: dict[str, Path], checkpoints: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Memory as for any export: each read holds one output shard's tensors (the base ones from the files) plus the
+    # adapters of the modules in it.
+    from safetensors.torch import load_file
+    from test_hf_export import recording_reads
+
+    import lightning_shard.hf.export as export
+
+    reads: list[int] = []
+    monkeypatch.setattr(export, "_with_base", recording_reads(export._with_base, reads))
+    done = export.export_hf(
+        results["two"] / f"llama-{LAST}", tmp_path / "out", checkpoints / "llama", merge_lora=True,
+        lora_config=lora_fields("llama"), max_shard_size="20KB",
+    )  # fmt: skip
+    base = load_file(checkpoints / "llama" / "model.safetensors")
+    largest = max(tensor.numel() * tensor.element_size() for tensor in base.values())  # the 32 KiB embedding
+    two, _ = load(results, "llama-pretrained-meta")
+    adapters = sum(value.numel() * value.element_size() for key, value in two["end"].items() if is_lora(key))
+    assert len(done.files) == len(reads) > 4
+    assert max(reads) <= max(20_000, largest) + adapters < done.total_bytes
+
+
+def test_exporting_a_small_checkpoint_refuses_missing_or_changed_files(
+    results: dict[str, Path], checkpoints: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = results["two"] / f"llama-{LAST}"
+    lora = ["--lora-config", str(_lora_config_file(results, "llama"))]
+    args = ["export-hf", str(checkpoint), str(tmp_path / "out"), *lora]
+    recorded = str((checkpoints / "llama" / "model.safetensors").resolve())
+    # the base re-saved in bf16 under the same file name: another size and header
+    assert cli_main([*args, "--config", str(checkpoints / "llama-changed"), "--merge-lora"]) == 2
+    error = capsys.readouterr().err
+    assert "changed since the checkpoint was saved (size or safetensors header)" in error
+    assert "llama-changed/model.safetensors (183016 bytes; the checkpoint's was 363872 bytes)" in error
+    # the base re-saved in three files: the recorded one is not there
+    resharded = checkpoints / "llama-resharded"
+    assert cli_main([*args, "--config", str(resharded), "--merge-lora"]) == 2
+    assert f"missing (not in {resharded}): ['{recorded}']" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    # the adapter alone needs no base
+    assert cli_main([*args, "--config", str(resharded), "--adapter-only"]) == 0
+
+
 # ---------------------------------------------------------------------------------------------- no processes
 
 
@@ -290,12 +409,63 @@ def test_a_base_tensor_held_outside_the_model_is_refused(checkpoints: Path, mesh
         )  # fmt: skip
 
 
+def _small_checkpoint(model: nn.Module, files: Path, path: Path) -> None:
+    """A full checkpoint of ``self.model = model`` as ``save_frozen_pretrained_weights=False`` writes it: the
+    trainable parameters, and the record of the frozen ones left out, read from the safetensors files in ``files``."""
+    from lightning_shard.hf.frozen_weights import PretrainedFile, checkpoint_record
+
+    read = tuple(PretrainedFile.of(file) for file in sorted(files.glob("*.safetensors")))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    state = {f"model.{name}": param.detach() for name, param in named.items() if param.requires_grad}
+    left_out = {f"model.{name}": read for name, param in named.items() if not param.requires_grad}
+    torch.save({"state_dict": state, RECORD_KEY: checkpoint_record(left_out)}, path)
+
+
+def test_a_small_checkpoint_of_a_converted_layout_exports_merged_and_plain(tmp_path: Path) -> None:
+    # Mixtral's files hold per-expert tensors that transformers fuses on load (mlp.experts.gate_up_proj): the small
+    # checkpoint leaves the fused experts out, and the export reads them through the same conversion. References:
+    # the models as built and changed here, in this process.
+    from hf_run import mixtral_config
+    from safetensors import safe_open
+
+    from lightning_shard.hf import export_hf
+
+    torch.manual_seed(0)
+    pretrained = tmp_path / "mixtral"
+    AutoModelForCausalLM.from_config(mixtral_config()).save_pretrained(pretrained)
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(pretrained), LoraConfig(**lora))
+    plain = AutoModelForCausalLM.from_pretrained(pretrained)  # only the q projections trained
+    with torch.no_grad():
+        for model, trained in ((peft_model, "lora_"), (plain, "q_proj")):
+            for name, param in model.named_parameters():
+                param.requires_grad_(trained in name)
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 0.1)  # as training changes them
+    with safe_open(pretrained / "model.safetensors", "pt") as file:
+        assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in file.keys()  # converted on load
+    assert "model.layers.0.mlp.experts.gate_up_proj" in plain.state_dict()
+    ids = _input_ids()
+    for name, model, extra in (("merged", peft_model, {"merge_lora": True, "lora_config": lora}), ("plain", plain, {})):
+        _small_checkpoint(model, pretrained, tmp_path / f"{name}.ckpt")
+        export_hf(tmp_path / f"{name}.ckpt", tmp_path / name, pretrained, **extra)
+        with torch.no_grad():
+            exported = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()(input_ids=ids).logits
+            trained = model.eval()(input_ids=ids).logits
+        difference = (exported - trained).abs().max().item()
+        print(f"mixtral {name}: max |logits - trained| = {difference:.2e}")
+        assert difference <= TOL
+
+
 # ---------------------------------------------------------------------------------------------- the example
 
 
-def test_lora_example_trains_the_adapters_and_saves_small_checkpoints(tmp_path: Path) -> None:
+def test_lora_example_trains_the_adapters_and_saves_small_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import csv
     import os
+    import shlex
     import subprocess
     import sys
 
@@ -322,3 +492,14 @@ def test_lora_example_trains_the_adapters_and_saves_small_checkpoints(tmp_path: 
     checkpoint = read_sharded_keys(out / "checkpoints/last.ckpt", {"state_dict", RECORD_KEY})
     assert checkpoint["state_dict"] and all(is_lora(key) for key in checkpoint["state_dict"])
     assert [file["path"] for file in checkpoint[RECORD_KEY]["files"]] == [str(pretrained / "model.safetensors")]
+    # the export commands it prints, as printed (the LoRA configuration from the run's hyper-parameters, the base
+    # from --config): the merged model and the base with the adapter compute the same logits
+    monkeypatch.chdir(tmp_path)
+    exports = [shlex.split(line)[1:] for line in run.stdout.splitlines() if line.strip().startswith("lightning-shard")]
+    assert len(exports) == 2 and all(cli_main(command) == 0 for command in exports)
+    ids = _input_ids()
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(pretrained)
+        adapter = peft.PeftModel.from_pretrained(base, out / "adapter").eval()(input_ids=ids).logits
+    assert (merged - adapter).abs().max().item() <= TOL

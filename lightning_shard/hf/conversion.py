@@ -48,12 +48,14 @@ class LoadPlan:
         renamed: file tensor -> the model tensor it fills as it is (read shard by shard).
         converted: the (first) model tensor a conversion fills -> the conversion.
         stored: the file tensors, by name.
+        outputs: every model tensor a conversion fills -> that conversion's key in ``converted``.
     """
 
     path: str
     renamed: dict[str, str]
     converted: dict[str, Conversion]
     stored: dict[str, StoredTensor]
+    outputs: dict[str, str] = field(default_factory=dict)
 
 
 def plan_load(model: nn.Module, path: str, stored: dict[str, StoredTensor]) -> LoadPlan:
@@ -132,7 +134,7 @@ def load_converted(model: nn.Module, plan: LoadPlan) -> list[torch.Tensor]:
                 target.to_local().copy_(outputs[name])
             filled.append(target)
             continue
-        for output_name, full in _convert(model, name, conversion, plan.stored, lambda i, t: t.read()).items():
+        for output_name, full in read_converted(model, plan, name).items():
             output = tensors[output_name]
             if isinstance(output, DTensor):
                 output.to_local().copy_(DtensorShardOperation(output).shard_tensor(full))
@@ -140,6 +142,16 @@ def load_converted(model: nn.Module, plan: LoadPlan) -> list[torch.Tensor]:
                 output.copy_(full)
             filled.append(output)
     return filled
+
+
+def read_converted(model: nn.Module, plan: LoadPlan, name: str) -> dict[str, torch.Tensor]:
+    """The whole tensors that ``plan``'s conversion ``name`` fills, read from the files and converted, by model name.
+
+    Example:
+        >>> read_converted(meta_model, plan, "model.layers.0.mlp.experts.gate_up_proj")  # doctest: +SKIP
+        {'model.layers.0.mlp.experts.gate_up_proj': tensor([...])}
+    """
+    return _convert(model, name, plan.converted[name], plan.stored, lambda i, t: t.read())
 
 
 def _convert(
@@ -162,7 +174,7 @@ def _convert(
 
 def _check_shapes(model: nn.Module, plan: LoadPlan, tensors: dict[str, torch.Tensor]) -> set[int]:
     """Check that every file tensor, renamed or converted (on meta tensors), has its model tensor's shape; return the
-    ids of the model tensors the plan fills."""
+    ids of the model tensors the plan fills, and note each conversion's outputs in ``plan.outputs``."""
     filled = {id(tensors[name]) for name in plan.renamed.values()}
     wrong = [
         f"{key} {list(plan.stored[key].shape)} -> {name} {list(tensors[name].shape)}"
@@ -191,6 +203,7 @@ def _check_shapes(model: nn.Module, plan: LoadPlan, tensors: dict[str, torch.Ten
                 wrong.append(f"{_shown(sources)} -> {output} {list(value.shape)} (model: {expected})")
             else:
                 filled.add(id(tensors[output]))
+                plan.outputs[output] = name
     if wrong:
         raise ValueError(
             f"Tensors of {plan.path} do not have the shapes of {type(model).__name__}'s: {wrong[:_SHOWN]}. Is "

@@ -20,6 +20,10 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   files and the config never disagree.
 * LoRA runs (peft): ``merge_lora=True`` writes the model with the adapters merged; :func:`export_adapter` writes the
   adapter alone (:mod:`lightning_shard.hf.peft_export`).
+* Small checkpoints (``save_frozen_pretrained_weights=False``): the frozen weights they leave out are read from the
+  pretrained files in ``config_dir``, checked against the checkpoint's record first
+  (:mod:`lightning_shard.hf.frozen_export`), one output shard at a time like the checkpoint's own; the adapter alone
+  needs none of them.
 * Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end.
 
 transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported inside the functions that need them.
@@ -27,10 +31,11 @@ transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,8 @@ from lightning_shard.checkpoint.integrity import (
 )
 from lightning_shard.checkpoint.io import MODEL_KEY, _replace, _staging_path, is_sharded_checkpoint, read_sharded_keys
 from lightning_shard.cpu.heap import release_freed_heap
+from lightning_shard.hf.frozen_export import BaseTensor, PretrainedBase
+from lightning_shard.hf.frozen_weights import read_record
 from lightning_shard.hf.peft_export import ADAPTER_WEIGHTS, PeftLayout, adapter_names, read_lora_config, save_adapter
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -97,7 +104,8 @@ def export_hf(
     Args:
         checkpoint: a sharded checkpoint directory or a full checkpoint file of :class:`ShardedCheckpointIO`.
         out_dir: the new directory; it must not exist or be empty.
-        config_dir: a directory with the model's ``config.json`` (e.g. the pretrained model it was fine-tuned from).
+        config_dir: a directory with the model's ``config.json`` (e.g. the pretrained model it was fine-tuned from;
+            for a checkpoint that leaves out frozen pretrained weights, the directory of their files).
         prefix: the LightningModule's attribute prefix of the HF model in the checkpoint's ``state_dict``
             (``"model."``); ``None`` finds it by matching the HF model's parameter names.
         max_shard_size: the largest safetensors file, in bytes or as ``"5GB"`` / ``"500MB"``; one shard is what the
@@ -128,19 +136,26 @@ def export_hf(
         raise ValueError("A LoRA configuration (`--lora-config`) goes with `--merge-lora` or `--adapter-only`.")
     config = _load_config(config_dir)
     model = _meta_model(config, auto_class)
-    aliases = saved_names(model)
+    hf_aliases = aliases = saved_names(model)
     source = _open_checkpoint(checkpoint)
+    base = None
+    if source.record is not None:  # a small checkpoint: the files its frozen weights come from, checked first
+        base = PretrainedBase.open(checkpoint, source.record, config_dir, _meta_model(config, auto_class))
     layout = None
     if merge_lora:
         layout = PeftLayout.build(model, aliases, read_lora_config(lora_config, source.hyper_parameters, checkpoint))
         aliases = layout.aliases
         read = _with_names(aliases, (name for names in layout.module_inputs.values() for name in names))
         prefix = _resolve_prefix(prefix, source, read)
-        _check_shapes(source, prefix, {name: layout.shapes[name] for names in read.values() for name in names})
+        expected = {name: layout.shapes[name] for names in read.values() for name in names}
     else:
         prefix = _resolve_prefix(prefix, source, aliases)
         state = model.state_dict()
-        _check_shapes(source, prefix, {alias: state[name].shape for name, names in aliases.items() for alias in names})
+        expected = {alias: state[name].shape for name, names in aliases.items() for alias in names}
+    if base is not None:
+        run_names = {alias: aliases[name] for name, names in hf_aliases.items() for alias in names}
+        source = _with_base(source, base.tensors(prefix, run_names, _run_dtype(source)))
+    _check_shapes(source, prefix, expected)
     # name -> where it is saved (without the prefix); a merged tensor also reads its module's adapters
     own = {name: _present_key(prefix, names, source.shapes)[len(prefix) :] for name, names in aliases.items()}
     inputs = {name: [own[name], *(layout.inputs(name) if layout else [])] for name in own}
@@ -261,8 +276,9 @@ def saved_names(model: nn.Module) -> dict[str, list[str]]:
     }
 
 
-def find_prefix(saved: Mapping[str, Any], aliases: Mapping[str, list[str]], checkpoint: Path | str = "") -> str:
-    """The one prefix ``p`` under which ``saved`` holds every HF weight (``p + name`` or an alias of it).
+def find_prefix(saved: Collection[str], aliases: Mapping[str, list[str]], checkpoint: Path | str = "") -> str:
+    """The one prefix ``p`` under which ``saved`` (a checkpoint's weight names) holds every HF weight (``p + name`` or
+    an alias of it).
 
     Example:
         >>> find_prefix({"model.lm_head.weight": (4, 2), "loss.weight": (4,)}, {"lm_head.weight": ["lm_head.weight"]})
@@ -280,7 +296,7 @@ def find_prefix(saved: Mapping[str, Any], aliases: Mapping[str, list[str]], chec
     raise ValueError(_no_prefix_message(checkpoint, saved, aliases, counts))
 
 
-def _prefix_counts(saved: Mapping[str, Any], aliases: Mapping[str, list[str]]) -> dict[str, int]:
+def _prefix_counts(saved: Collection[str], aliases: Mapping[str, list[str]]) -> dict[str, int]:
     """Prefix -> how many HF weights the checkpoint holds under it (each weight counted once, by any alias)."""
     owner = {alias: name for name, names in aliases.items() for alias in names}
     found: dict[str, set[str]] = {}
@@ -293,7 +309,7 @@ def _prefix_counts(saved: Mapping[str, Any], aliases: Mapping[str, list[str]]) -
 
 
 def _no_prefix_message(
-    checkpoint: Path | str, saved: Mapping[str, Any], aliases: Mapping[str, list[str]], counts: Mapping[str, int]
+    checkpoint: Path | str, saved: Collection[str], aliases: Mapping[str, list[str]], counts: Mapping[str, int]
 ) -> str:
     best = sorted(counts.items(), key=lambda item: -item[1])[:3]
     closest = "; ".join(f"{p!r} holds {n} of {len(aliases)}" for p, n in best) or "none holds any"
@@ -315,7 +331,7 @@ def _no_prefix_message(
 def _resolve_prefix(prefix: str | None, source: _Checkpoint, aliases: Mapping[str, list[str]]) -> str:
     """``prefix`` normalised and checked, or found when ``None``: the one under which ``source`` holds ``aliases``."""
     if prefix is None:
-        return find_prefix(source.shapes, aliases, source.path)
+        return find_prefix(source.names, aliases, source.path)
     prefix = prefix.rstrip(".") + "." if prefix.rstrip(".") else ""  # "model" and "model." alike
     _check_prefix(prefix, source, aliases)
     return prefix
@@ -328,10 +344,10 @@ def _with_names(aliases: Mapping[str, list[str]], names: Iterable[str]) -> dict[
 
 
 def _check_prefix(prefix: str, source: _Checkpoint, aliases: Mapping[str, list[str]]) -> None:
-    missing = [name for name, names in aliases.items() if not any(prefix + alias in source.shapes for alias in names)]
+    missing = [name for name, names in aliases.items() if not any(prefix + alias in source.names for alias in names)]
     if not missing:
         return
-    counts = _prefix_counts(source.shapes, aliases)
+    counts = _prefix_counts(source.names, aliases)
     complete = sorted(p for p, n in counts.items() if n == len(aliases))
     found = f"the weights are under {', '.join(map(repr, complete))}" if complete else "no prefix holds them all"
     raise ValueError(
@@ -405,13 +421,20 @@ def _copy_config_files(config_dir: Path, out_dir: Path, dtype: torch.dtype | Non
 @dataclass
 class _Checkpoint:
     """A checkpoint's weights: shape and dtype by ``state_dict`` name, and ``with read({key: new_name}) as tensors``
-    (the tensors are valid inside the ``with`` block only); ``hyper_parameters()`` reads the LightningModule's."""
+    (the tensors are valid inside the ``with`` block only); ``hyper_parameters()`` reads the LightningModule's;
+    ``record``: what a small checkpoint leaves out (:mod:`lightning_shard.hf.frozen_weights`), else ``None``."""
 
     path: Path
     shapes: dict[str, torch.Size]
     dtypes: dict[str, torch.dtype]
     read: Callable[[Mapping[str, str]], AbstractContextManager[dict[str, torch.Tensor]]]
     hyper_parameters: Callable[[], Any]
+    record: dict[str, Any] | None
+
+    @property
+    def names(self) -> set[str]:
+        """The names of the weights the run saved: those in the checkpoint and those it leaves out."""
+        return {*self.shapes, *(self.record["parameters"] if self.record else ())}
 
 
 def _open_checkpoint(path: Path) -> _Checkpoint:
@@ -434,7 +457,7 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
 
         shapes = {key: torch.Size(entry.size) for key, entry in entries.items()}
         dtypes = {key: entry.properties.dtype for key, entry in entries.items()}
-        return _Checkpoint(path, shapes, dtypes, read_sharded, read_hyper_parameters)
+        return _Checkpoint(path, shapes, dtypes, read_sharded, read_hyper_parameters, read_record(path))
     if path.is_dir():
         raise ValueError(f"{path} is a directory without torch.distributed.checkpoint metadata (.metadata).")
 
@@ -456,7 +479,32 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
             {key: tensor.dtype for key, tensor in tensors.items()},
             read_full,
             read_hyper_parameters,
+            read_record(path),
         )
+
+
+def _with_base(source: _Checkpoint, base: Mapping[str, BaseTensor]) -> _Checkpoint:
+    """``source`` with the weights it leaves out, read from the pretrained files (``base``: key -> its reader)."""
+
+    @contextmanager
+    def read(keys: Mapping[str, str]) -> Iterator[dict[str, torch.Tensor]]:
+        saved = {key: name for key, name in keys.items() if key not in base}
+        with source.read(saved) if saved else nullcontext({}) as tensors:
+            yield {**tensors, **{name: base[key].read() for key, name in keys.items() if key in base}}
+
+    return dataclasses.replace(
+        source,
+        shapes={**source.shapes, **{key: tensor.shape for key, tensor in base.items()}},
+        dtypes={**source.dtypes, **{key: tensor.dtype for key, tensor in base.items()}},
+        read=read,
+    )
+
+
+def _run_dtype(source: _Checkpoint) -> torch.dtype | None:
+    """The dtype the run held its floating-point parameters in, when the checkpoint's agree (the precision's: fp32
+    master weights under "-mixed", as the loader read a bf16 base); ``None`` otherwise."""
+    floating = {dtype for dtype in source.dtypes.values() if dtype.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None
 
 
 @contextmanager

@@ -116,7 +116,7 @@ def names_to_skip_on_resume(path: str | os.PathLike, root: nn.Module) -> list[st
         >>> names_to_skip_on_resume("out/last.ckpt", lightning_module)[:1]  # doctest: +SKIP
         ['model.base_model.model.lm_head.weight']
     """
-    record = _read_record(path)
+    record = read_record(path)
     if record is None:
         return []
     integrity.agreed(lambda: _check(path, record, frozen_pretrained_weights(root)))
@@ -132,28 +132,56 @@ def _check(path: str | os.PathLike, record: dict[str, Any], current: dict[str, t
             f"({not_read[:4]}...). "
             "Build it in `configure_model()` with `lightning_shard.hf.from_pretrained` on the same files."
         )
-    read = {Path(file.path).name: file for group in current.values() for file in group}
+    check_recorded_files(
+        path,
+        record,
+        {file for group in current.values() for file in group},
+        missing_means="not read by this run",
+        fix=f"Point `from_pretrained` at the original files (the checkpoint's `{RECORD_KEY}` entry lists them), or "
+        "resume from a checkpoint saved with `save_frozen_pretrained_weights=True`.",
+    )
+
+
+def check_recorded_files(
+    path: str | os.PathLike, record: dict[str, Any], found: Iterable[PretrainedFile], missing_means: str, fix: str
+) -> None:
+    """Check the files ``found`` against those the checkpoint at ``path`` records (``record``), by file name, size and
+    header: resuming checks the files this run read, ``export-hf`` those of its ``--config`` directory.
+
+    Raises:
+        CheckpointIntegrityError: naming the recorded files missing from ``found`` (``missing_means`` says what that
+            means) and those whose size or header changed, then ``fix``.
+
+    Example:
+        >>> check_recorded_files("out/last.ckpt", record, [PretrainedFile.of("llama/model.safetensors")],
+        ...                      "not in llama", "Pass the pretrained directory.")  # doctest: +SKIP
+    """
+    by_name = {Path(file.path).name: file for file in found}
     missing, changed = [], []
     for saved in (PretrainedFile(**file) for file in record["files"]):
-        now = read.get(Path(saved.path).name)
+        now = by_name.get(Path(saved.path).name)
         if now is None:
             missing.append(saved.path)
         elif (now.size, now.header_sha256) != (saved.size, saved.header_sha256):
             changed.append(f"{now.path} ({now.size} bytes; the checkpoint's was {saved.size} bytes)")
     if missing or changed:
-        problems = ([f"missing (not read by this run): {missing}"] if missing else []) + (
+        problems = ([f"missing ({missing_means}): {missing}"] if missing else []) + (
             [f"changed since the checkpoint was saved (size or safetensors header): {changed}"] if changed else []
         )
         raise integrity.CheckpointIntegrityError(
             f"The checkpoint {path} leaves out the frozen pretrained weights, to be read again from the files it "
-            f"records, but files are {'; '.join(problems)}. Point `from_pretrained` at the original files (the "
-            f"checkpoint's `{RECORD_KEY}` entry lists them), or resume from a checkpoint saved with "
-            "`save_frozen_pretrained_weights=True`."
+            f"records, but files are {'; '.join(problems)}. {fix}"
         )
 
 
-def _read_record(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The checkpoint's record; a damaged checkpoint raises on every rank."""
+def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The record of the checkpoint at ``path`` (``None`` when it leaves nothing out); a damaged checkpoint raises
+    on every rank.
+
+    Example:
+        >>> read_record("out/last.ckpt")["files"][0]["size"]  # doctest: +SKIP
+        3219984
+    """
     if is_sharded_checkpoint(path):
         metadata = integrity.agreed(lambda: integrity.read_metadata(path))
         assert metadata is not None

@@ -29,6 +29,7 @@ from torch import nn
 from lightning_shard.hf.conversion import LoadPlan, load_converted, plan_load
 from lightning_shard.hf.frozen_weights import note_loaded
 from lightning_shard.hf.safetensors_files import slice_reader_class, stored_tensors
+from lightning_shard.torch_compat import holds_values
 
 # Set on a model built by `from_pretrained` on the meta device: the `LoadPlan` of its weights.
 _PRETRAINED = "_lightning_shard_pretrained_plan"
@@ -95,8 +96,20 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     config, model_kwargs = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
     build = getattr(model_class, "from_config", None) or model_class._from_config
     model = build(config, **model_kwargs)
-    model.__dict__[_PRETRAINED] = plan_load(model, str(path), stored_tensors(_reader(path).read_metadata()))
+    model.__dict__[_PRETRAINED] = plan_files(model, path)
     return model
+
+
+def plan_files(model: nn.Module, path: str | Path) -> LoadPlan:
+    """Which tensor of ``path``'s safetensors files fills which tensor of ``model`` (built on the meta device from
+    ``path``'s config), as transformers' ``from_pretrained`` matches them (:func:`~lightning_shard.hf.conversion.
+    plan_load`: checked, nothing read).
+
+    Example:
+        >>> plan_files(meta_llama, "checkpoints/llama").renamed["lm_head.weight"]  # doctest: +SKIP
+        'lm_head.weight'
+    """
+    return plan_load(model, str(path), stored_tensors(_reader(path).read_metadata()))
 
 
 def planned_load(model: nn.Module) -> bool:
@@ -111,7 +124,7 @@ def load_pretrained_shards(model: nn.Module) -> bool:
     (peft's ``lora.Linear`` holding ``q_proj`` as ``base_layer``) is undone around the load by the caller
     (:class:`lightning_shard.hf.init.AsBuilt`). Every tensor read is flagged ``_is_hf_initialized`` (as transformers
     flags loaded weights), so the init that follows leaves it alone. Call on every rank, after sharding and
-    allocation.
+    allocation. Fake tensors (``lightning-shard estimate --mode simulate``) are not read into.
     """
     plan: LoadPlan | None = model.__dict__.pop(_PRETRAINED, None)
     if plan is None:
@@ -124,9 +137,13 @@ def load_pretrained_shards(model: nn.Module) -> bool:
         if not tensors[name].is_meta:  # a module the wrapper dropped from the model (not sharded): nothing to fill
             first_key.setdefault(id(tensors[name]), key)
     targets = {key: tensors[plan.renamed[key]] for key in first_key.values()}
-    if targets:
-        dcp.load(targets, storage_reader=_reader(plan.path))
-    loaded = [*targets.values(), *load_converted(model, plan)]
+    if not all(holds_values(tensor) for tensor in targets.values()):
+        # The memory simulation's fake tensors: no values to read; loaded as far as the init that follows knows.
+        loaded = [*targets.values(), *(tensors[name] for name in plan.outputs)]
+    else:
+        if targets:
+            dcp.load(targets, storage_reader=_reader(plan.path))
+        loaded = [*targets.values(), *load_converted(model, plan)]
     for tensor in loaded:
         tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     note_loaded(model, {stored.file for stored in plan.stored.values() if stored.file}, loaded)

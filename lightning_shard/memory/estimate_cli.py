@@ -2,8 +2,9 @@
 
 The config's ``trainer.accumulate_grad_batches`` and the strategy's ``gradient_accumulation`` count too. With
 ``--mode simulate`` the model is also trained for two steps under fake tensors (:mod:`lightning_shard.memory.simulate`;
-token-id inputs of ``micro-batch x seq-len``, so the model section needs ``vocab_size``), and the simulated figures
-are printed next to the formula's.
+token-id inputs of ``micro-batch x seq-len``: ``vocab_size`` from the model section, else from the config of the
+transformers model it builds; the length from ``--seq-len``, the model's ``block_size`` or the data's), and the
+simulated figures are printed next to the formula's.
 
 Frozen parameters cost their stored copy only (no gradient, no optimizer state). A model whose class freezes them
 (a LoRA module built by the config) is counted as built. For a config that does not say it, ``--lora-rank R
@@ -16,6 +17,8 @@ Example:
     $ lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --mode simulate \
         --model-class examples.gpt.model.GPT
     $ lightning-shard estimate --config configs/hf_llama_tiny.yaml --lora-rank 8 --lora-targets q_proj,v_proj
+    $ lightning-shard estimate --config configs/hf_llama_tiny_lora.yaml --model-class examples.hf.model.HFCausalLM \
+        --mode simulate
 """
 
 import argparse
@@ -150,13 +153,23 @@ def _build_on_meta(model_class: type, init_args: dict[str, Any], lora: tuple[int
         return _build(model_class, init_args, lora)
 
 
+def _configured_vocab_size(model: torch.nn.Module) -> int | None:
+    """The vocabulary of a model that does not take it as an argument: the config of a transformers model in it (also
+    inside a LightningModule or peft's wrapper)."""
+    for module in model.modules():
+        size = getattr(getattr(module, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
 def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict[str, Any]]:
     """The formula estimate for the parsed command line, and the ``estimate_memory`` options behind it (for the table
     and the simulation: ``model``, ``model_class``, ``init_args``, then the keyword arguments)."""
     with open(args.config) as file:
         config = yaml.safe_load(file) or {}
     trainer = config.get("trainer") or {}
-    data = config.get("data") or {}
+    data = (config.get("data") or {}).get("init_args") or config.get("data") or {}
     class_path, dims = _model_section(config)
     class_path = args.model_class or class_path
     devices = args.devices or trainer.get("devices")
@@ -169,14 +182,15 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
         "precision": trainer.get("precision", "32-true"),
         "optimizer": args.optimizer,
         "accumulate_grad_batches": trainer.get("accumulate_grad_batches") or 1,
-        "micro_batch_size": args.micro_batch_size or (data.get("init_args") or data).get("batch_size") or 1,
-        "seq_len": args.seq_len or dims.get("block_size"),
+        "micro_batch_size": args.micro_batch_size or data.get("batch_size") or 1,
+        "seq_len": args.seq_len or dims.get("block_size") or data.get("block_size"),
         **{key: dims.get(key) for key in ("n_layer", "n_embd", "n_head", "vocab_size")},
     }
     lora = _lora_settings(args)
     model_class = _import_class(class_path) if class_path else None
     if model_class is not None:
         model: torch.nn.Module | int = _build_on_meta(model_class, dims, lora)
+        options["vocab_size"] = options["vocab_size"] or _configured_vocab_size(model)
     else:
         if lora is not None:
             raise ValueError("--lora-rank/--lora-targets need the model's modules: an importable model.class_path")
@@ -209,15 +223,15 @@ def simulate_from_config(estimate: MemoryEstimate, options: dict[str, Any]) -> M
             "simulate mode trains the parameters the model marks trainable: say which with --lora-rank/--lora-targets "
             "(--trainable-parameters is a count, for the formula)"
         )
-    if init_args.get("vocab_size") is None or config["seq_len"] is None:
+    if options["vocab_size"] is None or config["seq_len"] is None:
         raise ValueError(
-            "simulate mode feeds token ids of micro-batch x seq-len: the model section needs vocab_size, and "
-            "block_size (or pass --seq-len)"
+            "simulate mode feeds token ids of micro-batch x seq-len: the model section needs vocab_size (or the "
+            "model a transformers config that names it), and block_size (or data.block_size, or pass --seq-len)"
         )
     return estimate_memory(
         partial(_build, options["model_class"], init_args, options["lora"]),
         mode="simulate",
-        input_fn=partial(torch.randint, 0, init_args["vocab_size"], (config["micro_batch_size"], config["seq_len"])),
+        input_fn=partial(torch.randint, 0, options["vocab_size"], (config["micro_batch_size"], config["seq_len"])),
         **{key: value for key, value in config.items() if key != "mode"},
     )
 

@@ -13,7 +13,10 @@ the second runs ``min(accumulate_grad_batches, 2)`` (a third would hold what the
 micro-batch's forward runs before ``zero_grad``, so the previous step's gradients are held with its activations, as
 in a Lightning fit; under ``gradient_accumulation="unsharded"`` the non-final micro-batches skip the reduce-scatter,
 as ``ShardedStrategy.block_backward_sync`` does. Parameters keep the ``requires_grad`` the model gives them: frozen
-ones (a LoRA model's base) get no gradient, and the optimizer is built over the trainable ones only.
+ones (a LoRA model's base) get no gradient, and the optimizer is built over the trainable ones only. A transformers
+model is built as in a run, but its pretrained files are not read (:func:`lightning_shard.hf.from_pretrained`'s load
+has no values to write) and its init's check for tensors left unset is skipped (no values to check); the loss is
+taken from its output's first tensor, the logits.
 
 Everything runs on the CPU device, so this measures the device-side footprint of a run without offload;
 ``cpu_offload`` is not simulated. The fake process group is global state of the process, so the simulation runs
@@ -48,7 +51,7 @@ from lightning_shard.memory.process_memory import host_memory
 from lightning_shard.memory.units import ParameterCounts, count_parameters
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision
-from lightning_shard.torch_compat import memory_simulation_tools
+from lightning_shard.torch_compat import memory_simulation_tools, tree_leaves
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field. "Unsharded Grad" is a
 # unit's whole gradient before its reduce-scatter - a per-unit transient - unless accumulation is unsharded, where
@@ -89,7 +92,10 @@ def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "sgd" else 0.0)
 
 
-def _loss(output: torch.Tensor) -> torch.Tensor:
+def _loss(output: Any) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        # a tuple, dict or transformers' ModelOutput (a pytree): its first tensor, the logits
+        output = next(leaf for leaf in tree_leaves(output) if isinstance(leaf, torch.Tensor))
     return output if output.ndim == 0 else output.float().mean()
 
 
