@@ -35,7 +35,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from lightning_shard.torch_compat import TorchDispatchMode, draws_random_numbers, tree_map
+from lightning_shard.torch_compat import TorchDispatchMode, draws_random_numbers, op_arguments, storage_key, tree_map
 
 # Set on every module seen while a log was recorded: the log.
 _LOG = "_lightning_shard_construction_log"
@@ -145,17 +145,6 @@ class ConstructionLog:
             for module in entry.constructing:
                 ends[id(module)] = max(ends.get(id(module), -1.0), entry.seq + 0.5)
         return ends
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """The identity of ``tensor``'s storage: views, ``.data`` and the ``nn.Parameter`` made from a tensor share it.
-
-    Example:
-        >>> weight = torch.empty(2, 2, device="meta")
-        >>> storage_key(nn.Parameter(weight)) == storage_key(weight[0])
-        True
-    """
-    return tensor.untyped_storage()._cdata
 
 
 def covers_storage(tensor: torch.Tensor) -> bool:
@@ -271,15 +260,15 @@ class _OpRecorder(TorchDispatchMode):
 
 
 def _classify(func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
-    schema = func._schema
+    arguments = op_arguments(func)
     written = [
         value
-        for argument, value in zip(schema.arguments, args, strict=False)
+        for argument, value in zip(arguments, args, strict=False)
         if argument.alias_info is not None and argument.alias_info.is_write
     ]
     written += [
         kwargs[argument.name]
-        for argument in schema.arguments
+        for argument in arguments
         if argument.alias_info is not None and argument.alias_info.is_write and argument.name in kwargs
     ]
     targets = [t for t in written if isinstance(t, torch.Tensor) and t.is_meta]
@@ -292,9 +281,9 @@ def _classify(func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
         elif not inputs:
             kind = "write"
         else:
-            kind = "copy" if schema.name == "aten::copy_" and _whole_copy(inputs[0], target) else "computed"
+            kind = "copy" if func.name() == "aten::copy_" and _whole_copy(inputs[0], target) else "computed"
         source = inputs[0] if kind == "copy" else None
-        overwrites = schema.name in _OVERWRITES and covers_storage(target)
+        overwrites = func.name() in _OVERWRITES and covers_storage(target)
         return _op(func, args, kwargs, kind, target, source, overwrites, random)
     input_storages = {storage_key(t) for t in inputs}
     created = [t for t in _tensors(out) if t.is_meta and storage_key(t) not in input_storages]
@@ -303,8 +292,8 @@ def _classify(func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
         return _op(func, args, kwargs, "computed", None, None, False, True) if random else None
     target = created[0]
     if not inputs:
-        kind = "allocate" if schema.name in _ALLOCATIONS else "create"
-    elif len(created) == 1 and schema.name in _COPIES and len(inputs) == 1 and _whole_copy(inputs[0], target):
+        kind = "allocate" if func.name() in _ALLOCATIONS else "create"
+    elif len(created) == 1 and func.name() in _COPIES and len(inputs) == 1 and _whole_copy(inputs[0], target):
         kind = "copy"
     else:
         kind = "computed"

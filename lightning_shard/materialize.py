@@ -43,9 +43,8 @@ from lightning_shard.construction import (
     construction_logs,
     forget_construction,
     record_construction,
-    storage_key,
 )
-from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, tree_map
+from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, tree_map
 
 
 @dataclass(eq=False)

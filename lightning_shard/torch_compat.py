@@ -173,6 +173,16 @@ def check_hf_reader_hook(reader_class: type) -> None:
 # ---------------------------------------------------------------------------------------------------- dispatch
 
 
+def op_arguments(op: Any) -> list[Any]:
+    """An ATen op's schema arguments (each with ``name`` and ``alias_info``: whether the op writes the argument).
+
+    Example:
+        >>> [a.name for a in op_arguments(torch.ops.aten.add_.Tensor)]
+        ['self', 'other', 'alpha']
+    """
+    return list(op._schema.arguments)
+
+
 def draws_random_numbers(op: Any) -> bool:
     """Whether an ATen op consumes a random generator: every such op (``normal_``, ``uniform_``, ``randn``, ...)
     takes one as an argument in its schema.
@@ -181,10 +191,22 @@ def draws_random_numbers(op: Any) -> bool:
         >>> draws_random_numbers(torch.ops.aten.normal_.default), draws_random_numbers(torch.ops.aten.add.Tensor)
         (True, False)
     """
-    return any(argument.name == "generator" for argument in op._schema.arguments)
+    return any(argument.name == "generator" for argument in op_arguments(op))
 
 
 # ---------------------------------------------------------------------------------------------------- processes
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (its C++ address): views, ``.data`` and an ``nn.Parameter`` made from a
+    tensor share it, meta tensors included.
+
+    Example:
+        >>> weight = torch.empty(2, 2, device="meta")
+        >>> storage_key(nn.Parameter(weight)) == storage_key(weight[0])
+        True
+    """
+    return tensor.untyped_storage()._cdata
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
@@ -195,7 +217,7 @@ def storage_use_count(tensor: torch.Tensor) -> int:
         >>> storage_use_count(a) - before
         1
     """
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return torch._C._storage_Use_Count(storage_key(tensor))
 
 
 def group_timeout(group: dist.ProcessGroup) -> timedelta | None:

@@ -214,3 +214,26 @@ def test_the_opt_in_cpu_transport_is_imported_only_when_asked_for() -> None:
         "assert 'lightning_shard.cpu.shm_comms' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_visible_name_drops_the_wrappers_names() -> None:
+    wrapped = f"layers.0.{torch_compat.CHECKPOINT_WRAPPED_MODULE}.attn.weight"
+    assert torch_compat.visible_name(wrapped) == "layers.0.attn.weight"
+    assert torch_compat.visible_name("_orig_mod.head.bias") == "head.bias"
+
+
+def test_storage_key_is_shared_by_views_and_parameters() -> None:
+    weight = torch.empty(2, 2, device="meta")
+    assert torch_compat.storage_key(nn.Parameter(weight)) == torch_compat.storage_key(weight[0])
+    assert torch_compat.storage_key(weight) != torch_compat.storage_key(torch.empty(2, 2, device="meta"))
+
+
+def test_op_arguments_say_which_arguments_an_op_writes() -> None:
+    written = [a.name for a in torch_compat.op_arguments(torch.ops.aten.copy_.default) if a.alias_info is not None]
+    assert written == ["self"] and torch.ops.aten.copy_.default.name() == "aten::copy_"
+
+
+def test_holds_values_is_false_for_fake_tensors_only() -> None:
+    assert torch_compat.holds_values(torch.zeros(2))
+    with torch_compat.memory_simulation_tools()["FakeTensorMode"]():
+        assert not torch_compat.holds_values(torch.zeros(2))
