@@ -259,6 +259,9 @@ class PreemptionCheckpoint(Callback):
     # ------------------------------------------------------------------ the stop
 
     def _stop(self, trainer: pl.Trainer, signum: signal.Signals, requeue: bool) -> None:
+        # Every rank stops at this step with the same votes in flight: finish them, or a gloo thread still holding one
+        # at interpreter exit aborts the process ("terminate called without an active exception", rc -6).
+        self.vote.close()
         path = _stop_checkpoint_path(trainer)
         rank_zero_info(f"PreemptionCheckpoint: {signum.name} agreed at step {trainer.global_step}; saving {path}")
         trainer.save_checkpoint(path, weights_only=False)
