@@ -17,10 +17,7 @@ unit (``unit_load``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import glob
-import os
 import pickle
 import shutil
 import uuid
@@ -55,6 +52,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout, lookup
+from lightning_shard.checkpoint.publish import publish
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
@@ -168,7 +166,7 @@ class ShardedCheckpointIO(CheckpointIO):
         dcp.save(payload, checkpoint_id=staging)
         barrier()
         if rank() == 0:
-            _replace(staging, path)
+            publish(staging, path)
         barrier()
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
@@ -194,18 +192,18 @@ class ShardedCheckpointIO(CheckpointIO):
         # `written` may still be renaming when `written.result()` returns.
         published: Future = Future()
 
-        def publish(done: Future) -> None:
+        def publish_when_written(done: Future) -> None:
             try:
                 done.result()
                 if rank() == 0:
                     # Rank 0's save completes after it has gathered every rank's write results and written the
                     # metadata, so every shard is on disk.
-                    _replace(staging, path)
+                    publish(staging, path)
                 published.set_result(None)
             except BaseException as error:  # handed to whoever waits
                 published.set_exception(error)
 
-        written.add_done_callback(publish)
+        written.add_done_callback(publish_when_written)
         self._in_flight = published
 
     def wait(self) -> None:
@@ -221,7 +219,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if rank() == 0:
             staging.parent.mkdir(parents=True, exist_ok=True)
             torch.save(_recorded(checkpoint, layout), staging)
-            _replace(staging, path)
+            publish(staging, path)
         barrier()
 
     @override
@@ -506,19 +504,3 @@ def _staging_path(path: Path) -> Path:
     # One name for all ranks: rank 0 draws it and broadcasts it.
     token = broadcast_object(uuid.uuid4().hex[:8])
     return path.parent / _STAGING_DIR / f"{path.name}.tmp-{token}"
-
-
-def _replace(staging: Path, path: Path) -> None:
-    """Move ``staging`` to ``path``; an existing checkpoint there is moved aside first and deleted last."""
-    retired = staging.with_name(f"{path.name}.old-{staging.name.rsplit('-', 1)[-1]}")
-    if path.exists():
-        os.replace(path, retired)
-    os.replace(staging, path)
-    # Last: the replaced checkpoint, and staging left by saves to this path that were interrupted earlier.
-    for leftover in [retired, *staging.parent.glob(f"{glob.escape(path.name)}.tmp-*")]:
-        if leftover.is_dir():
-            shutil.rmtree(leftover, ignore_errors=True)
-        elif leftover.exists():
-            leftover.unlink()
-    with contextlib.suppress(OSError):  # still holds another save's staging, or a leftover of another name
-        staging.parent.rmdir()

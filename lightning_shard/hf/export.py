@@ -53,7 +53,8 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
     read_metadata,
 )
-from lightning_shard.checkpoint.io import MODEL_KEY, _replace, _staging_path, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.io import MODEL_KEY, _staging_path, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.publish import publish
 from lightning_shard.cpu.heap import release_freed_heap
 from lightning_shard.hf.frozen_export import BaseTensor, PretrainedBase
 from lightning_shard.hf.frozen_weights import read_record
@@ -188,7 +189,7 @@ def export_hf(
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _copy_config_files(config_dir, staging, _config_dtype(target, planned.values()))
-        _replace(staging, out_dir)
+        publish(staging, out_dir)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -231,7 +232,7 @@ def export_adapter(
         with source.read({prefix + name: name for name in names.values()}) as tensors:
             save_adapter(layout, tensors, staging)
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-        _replace(staging, out_dir)
+        publish(staging, out_dir)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
