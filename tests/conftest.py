@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
+# Every process a test starts prints its Python threads' stacks on a fatal signal: the rare gloo abort at interpreter
+# exit (rc -6, "terminate called without an active exception") then shows which thread was where.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # Variables of an enclosing launcher that must not leak into processes a test starts as ranks of its own job.
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
