@@ -1,28 +1,30 @@
-"""What building a model on the meta device did to its tensors, recorded so that materialisation can do it again.
+"""What building a model on the meta device did, recorded so that materialisation can do it again exactly.
 
-On the meta device nothing has values, so the ops that initialise a model (``reset_parameters()``, ``nn.init.*``,
-``torch.ones``, a library's own init such as peft's LoRA: ``kaiming_uniform_`` on A, ``zeros_`` on B) compute
-nothing. :func:`record_construction` notes, in program order, each op that creates or writes a meta tensor, and each
-registration of a submodule, parameter or buffer, each with the modules whose constructors were running
-(:class:`ConstructionLog`). :mod:`lightning_shard.materialize` replays the ops on real tensors after sharding, in the
-same order and from the same random stream, so the weights equal an eager build whatever code initialised them; the
-registrations tell which constructor built a module and which modules were changed after their construction (peft
-replacing a transformers model's ``q_proj`` by its ``lora.Linear``).
+On the meta device nothing has values, so the code that initialises a model (``reset_parameters()``, ``nn.init.*``,
+``torch.ones``, a rotary table computed from ``arange``, a cast, a deep copy, a library's own init such as peft's LoRA)
+computes nothing. :func:`record_construction` notes, in program order:
 
-An op is replayable when everything it reads is known: scalars, real tensors, the tensor it writes, or (a copy:
-``clone``, ``copy_``, ``.to``) another recorded tensor as a whole. A tensor computed from other tensors in any other
-way (a rotary table from ``arange``) is not: its module must recompute it in ``reset_parameters()``. The
-``torch.nn.init`` functions whose work depends on values (``trunc_normal_``'s rejection sampling, ``orthogonal_``'s
-QR) return at once on a meta tensor (torch 2.13) or compute from other tensors: while recording, each call on a meta
-tensor is noted as one op, replayed by calling the function on the real tensor.
+* every ATen op that creates, reads or writes a meta tensor (at the dispatch level, whatever Python name called it),
+  with each meta tensor as the op saw it (:class:`TensorRef`: its storage and its view of it at that moment, so that a
+  later ``.data`` swap, as ``Module.to()`` makes, does not change what the op read), and every random op on real
+  tensors (it advances the random stream of an eager build);
+* the calls of the ``torch.nn.init`` functions that do nothing to a meta tensor (``trunc_normal_``, ``orthogonal_``,
+  ``sparse_``, ``dirac_``: their draws depend on values), however they were imported, as one op each;
+* the random generator's state changes that are not tensor ops (:class:`RngEvent`): ``manual_seed``, ``seed``,
+  ``set_rng_state`` and ``fork_rng`` by any name, found by comparing the generator's state before each op;
+* each registration of a submodule, parameter or buffer, with the modules whose constructors were running.
+
+:mod:`lightning_shard.replay` replays the ops on real tensors after sharding, in the same order and from the same random
+stream, so the weights equal an eager build whatever code initialised them.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,7 +37,15 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from lightning_shard.torch_compat import TorchDispatchMode, draws_random_numbers, op_arguments, storage_key, tree_map
+from lightning_shard.torch_compat import (
+    TorchDispatchMode,
+    draws_random_numbers,
+    op_arguments,
+    op_base_name,
+    storage_key,
+    tree_leaves,
+    tree_map,
+)
 
 # Set on every module seen while a log was recorded: the log.
 _LOG = "_lightning_shard_construction_log"
@@ -48,63 +58,139 @@ ABSENT = object()  # what a registration replaced when nothing was registered un
 # A module's tensor, named by where it is held: (id(module), "_parameters" | "_buffers", name).
 HolderKey = tuple[int, str, str]
 
-# Ops that create a tensor without giving it values.
-_ALLOCATIONS = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
-# In-place ops that overwrite the whole tensor they write without reading it.
-_OVERWRITES = {
-    "aten::uniform_",
-    "aten::normal_",
-    "aten::fill_",
-    "aten::zero_",
-    "aten::random_",
-    "aten::exponential_",
-    "aten::geometric_",
-    "aten::cauchy_",
-    "aten::log_normal_",
-    "aten::bernoulli_",
-    "aten::copy_",
-}
-# Out-of-place ops whose result is a copy of their one tensor input.
-_COPIES = {"aten::clone", "aten::_to_copy"}
-# torch.nn.init functions recorded as one op each (module docstring), and whether they draw random numbers.
-_INIT_FUNCTIONS = {"trunc_normal_": True, "orthogonal_": True, "sparse_": True, "dirac_": False}
+# In-place ops that set every element of the tensor they write without reading it (by their overload packet's name:
+# `aten::fill_` for `aten::fill_.Scalar`). Knowing them only saves memory: the value before is not kept for them.
+OVERWRITES = frozenset(
+    {
+        "aten::uniform_",
+        "aten::normal_",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::random_",
+        "aten::exponential_",
+        "aten::geometric_",
+        "aten::cauchy_",
+        "aten::log_normal_",
+        "aten::bernoulli_",
+        "aten::copy_",
+    }
+)
+# torch.nn.init functions that return at once on a meta tensor: recorded as one op each, replayed whole.
+WHOLE_INIT_FUNCTIONS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+# Real tensors an op reads are kept by value up to this size (a later in-place change must not reach the replay);
+# larger ones by reference, checked for changes (their version counter) when replayed.
+_COPIED_REAL_NUMEL = 1 << 16
 
-OpKind = Literal["allocate", "create", "write", "copy", "computed"]
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A meta tensor as an op saw it: its storage and its view of that storage at that moment.
+
+    Example:
+        >>> weight = torch.empty(2, 3, device="meta")
+        >>> TensorRef.of(weight.t()).stride
+        (1, 3)
+    """
+
+    storage: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    nbytes: int  # the storage's size at that moment
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorRef:
+        return cls(
+            storage_key(tensor),
+            tuple(tensor.size()),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tensor.untyped_storage().nbytes(),
+        )
+
+    @property
+    def whole(self) -> bool:
+        """Whether the view spans its whole storage, contiguously (row-major)."""
+        numel, expected = 1, 1
+        for size, stride in reversed(list(zip(self.size, self.stride, strict=True))):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+            numel *= size
+        return self.offset == 0 and numel * self.dtype.itemsize == self.nbytes
+
+
+@dataclass(frozen=True)
+class RealValue:
+    """A real tensor an op read: kept by value (``copied``) or by reference with its version at that moment."""
+
+    tensor: torch.Tensor
+    version: int
+    copied: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> RealValue:
+        if tensor.numel() <= _COPIED_REAL_NUMEL:
+            return cls(tensor.detach().clone(), 0, True)
+        return cls(tensor, tensor._version, False)
 
 
 @dataclass(eq=False)
 class Op:
-    """One recorded op that created or wrote a meta tensor.
+    """One recorded op: an ATen op, or a Python function called whole (:data:`WHOLE_INIT_FUNCTIONS`).
 
     Attributes:
-        kind: ``"allocate"`` (``empty``: no values), ``"create"`` (a factory: ``ones``, ``randn``), ``"write"`` (in
-            place, reading only scalars, real tensors and the tensor it writes), ``"copy"`` (the whole of ``source``
-            into ``target``) or ``"computed"`` (from other meta tensors: not replayable).
-        target: the tensor created or written (a view when a slice is written); ``None`` for a draw whose result
-            is no meta tensor (it still advances the random stream).
-        whole: ``target`` spans its whole storage; ``overwrites``: the op sets every element without reading them.
+        args, kwargs: as called, meta tensors replaced by :class:`TensorRef`\\ s and real tensors by
+            :class:`RealValue`\\ s.
+        outputs: the op's flattened result, a :class:`TensorRef` for each new meta tensor it returned, else ``None``.
+        writes: the meta tensors it wrote in place.
+        reads: the meta tensors whose values it read (an in-place target that it does not overwrite whole included).
+        overwritten: storages it set whole without reading them (its outputs' included).
+        random: it draws from the random stream; ``real_draw``: on real tensors only (replayed into scratch).
         constructing: the modules whose ``__init__`` was running, outermost first.
     """
 
     seq: int
-    func: Any
+    func: Callable[..., Any]
     args: tuple
     kwargs: dict
-    kind: OpKind
-    target: torch.Tensor | None
-    source: torch.Tensor | None
-    whole: bool
-    overwrites: bool
+    outputs: list[TensorRef | None]
+    writes: tuple[TensorRef, ...]
+    reads: tuple[TensorRef, ...]
+    overwritten: frozenset[int]
     random: bool
+    real_draw: bool
     constructing: tuple[nn.Module, ...]
 
     @property
-    def storage(self) -> int | None:
-        return None if self.target is None else storage_key(self.target)
+    def written_storages(self) -> set[int]:
+        return {ref.storage for ref in itertools.chain(self.writes, filter(None, self.outputs))}
 
     @property
-    def source_storage(self) -> int | None:
-        return None if self.source is None else storage_key(self.source)
+    def read_storages(self) -> set[int]:
+        return {ref.storage for ref in self.reads}
+
+    def refs(self) -> Iterator[TensorRef]:
+        """Every meta tensor the op touched."""
+        yield from self.writes
+        yield from self.reads
+        yield from filter(None, self.outputs)
+        found: list[TensorRef] = []
+        tree_map(lambda value: found.append(value) if isinstance(value, TensorRef) else None, (self.args, self.kwargs))
+        yield from found
+
+
+@dataclass(eq=False)
+class RngEvent:
+    """A change of the CPU generator's state that is no tensor op: ``"set"`` it to ``value`` (a state, taken right
+    after ``manual_seed``, ``seed()`` or ``set_rng_state`` of a state not taken while recording), ``"save"`` it as slot
+    ``value`` (``get_rng_state()``), or ``"restore"`` slot ``value`` (``set_rng_state`` of that state: ``fork_rng``)."""
+
+    seq: int
+    action: Literal["set", "save", "restore"]
+    value: Any
 
 
 @dataclass(eq=False)
@@ -127,15 +213,25 @@ class ConstructionLog:
     Example:
         >>> with torch.device("meta"), record_construction() as log:
         ...     layer = nn.Linear(2, 2)
-        >>> [op.func.__name__ for op in log.ops if op.kind == "write"]
-        ['uniform_.default', 'uniform_.default']
+        >>> [op.func.__name__ for op in log.ops]
+        ['empty.memory_format', 'uniform_.default', 'empty.memory_format', 'uniform_.default']
     """
 
     ops: list[Op] = field(default_factory=list)
+    rng_events: list[RngEvent] = field(default_factory=list)
     registrations: list[Registration] = field(default_factory=list)
-    # HolderKey -> the meta tensor held there when construction ended (its storage identifies it in `ops`).
-    held: dict[HolderKey, torch.Tensor] = field(default_factory=dict)
+    # HolderKey -> the meta tensor held there when construction ended, as a TensorRef.
+    held: dict[HolderKey, TensorRef] = field(default_factory=dict)
     modules: dict[int, nn.Module] = field(default_factory=dict)  # every module seen, by id (kept alive)
+    # Storage key -> the meta storage: kept alive, so that no other storage takes its address (its key) while the log
+    # lives.
+    storages: dict[int, Any] = field(default_factory=dict)
+    # Real storages filled from the random stream while recording (and those computed from them): an eager build
+    # draws them at another point of the stream; HolderKey -> its name's part for the error.
+    drawn_real: set[int] = field(default_factory=set)
+    drawn_real_held: list[HolderKey] = field(default_factory=list)
+    rng_start: torch.Tensor | None = None  # the CPU generator's state when recording started and ended
+    rng_end: torch.Tensor | None = None
 
     def constructor_ends(self) -> dict[int, float]:
         """``id(module) -> position just after the last op or registration made while its __init__ ran``: where an
@@ -172,8 +268,10 @@ def record_construction() -> Iterator[ConstructionLog]:
         >>> construction_logs(model) == [log]
         True
     """
-    log = ConstructionLog()
-    recorder = _OpRecorder(log)
+    log = ConstructionLog(rng_start=torch.default_generator.get_state())
+    rng = _GeneratorWatch(log)
+    recorder = _OpRecorder(log, rng)
+    calls = _PythonCalls(log, recorder, rng)
 
     def registered(table: str) -> Any:
         def hook(parent: nn.Module, name: str, value: Any) -> None:
@@ -191,36 +289,32 @@ def record_construction() -> Iterator[ConstructionLog]:
         register_module_parameter_registration_hook(registered("_parameters")),
         register_module_buffer_registration_hook(registered("_buffers")),
     ]
-    originals = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
-    for name, random in _INIT_FUNCTIONS.items():
-        setattr(torch.nn.init, name, _recorded_init_function(originals[name], random, log))
     try:
-        with recorder:
+        with recorder, calls:
             yield log
     finally:
         for handle in handles:
             handle.remove()
-        for name, original in originals.items():
-            setattr(torch.nn.init, name, original)
-    for module in log.modules.values():
+    rng.check()
+    log.rng_end = torch.default_generator.get_state()
+    _note_held(log)
+
+
+def _note_held(log: ConstructionLog) -> None:
+    """Mark every module in the trees of the modules seen (a deep copy's submodules are never registered one by one)
+    with the log, and note the storage each of their meta tensors is held in."""
+    for module in [m for seen in list(log.modules.values()) for m in seen.modules()]:
+        log.modules[id(module)] = module
         module.__dict__[_LOG] = log
         for table in ("_parameters", "_buffers"):
             for name, tensor in module.__dict__[table].items():
-                if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                    log.held[(id(module), table, name)] = tensor
-
-
-def _recorded_init_function(original: Any, random: bool, log: ConstructionLog) -> Any:
-    @functools.wraps(original)
-    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
-            return original(tensor, *args, **kwargs)
-        op = _op(original, (tensor, *args), kwargs, "write", tensor, None, True, random)
-        assert op is not None
-        log.ops.append(op)
-        return tensor
-
-    return init
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if tensor.is_meta:
+                    log.storages.setdefault(storage_key(tensor), tensor.untyped_storage())
+                    log.held[(id(module), table, name)] = TensorRef.of(tensor)
+                elif storage_key(tensor) in log.drawn_real:
+                    log.drawn_real_held.append((id(module), table, name))
 
 
 def construction_logs(root: nn.Module) -> list[ConstructionLog]:
@@ -245,101 +339,266 @@ def forget_construction(root: nn.Module) -> None:
         module.__dict__.pop(_LOG, None)
 
 
-class _OpRecorder(TorchDispatchMode):
+class _GeneratorWatch:
+    """Notices changes of the CPU generator's state between the ops (see :class:`RngEvent`): any change that no
+    recorded op or event explains is a seed or a state set by some name, recorded as the state it left."""
+
     def __init__(self, log: ConstructionLog) -> None:
+        self.log = log
+        self.last = log.rng_start
+        self.saved: dict[int, tuple[int, torch.Tensor]] = {}  # id(state tensor) -> (slot, the tensor, kept alive)
+
+    def check(self) -> None:
+        # The generator's own method: a call of `torch.get_rng_state` would be seen by the profile hook.
+        state = torch.default_generator.get_state()
+        if not torch.equal(state, self.last):
+            self.log.rng_events.append(RngEvent(next(_SEQUENCE), "set", state))
+            self.last = state
+
+    def explained(self) -> None:
+        """The state changed through something already recorded (a real draw, a restored slot)."""
+        self.last = torch.default_generator.get_state()
+
+    def saved_state(self, state: torch.Tensor) -> None:
+        slot = len(self.saved)
+        self.saved[id(state)] = (slot, state)
+        self.log.rng_events.append(RngEvent(next(_SEQUENCE), "save", slot))
+
+    def restoring(self, state: Any) -> bool:
+        """Record ``set_rng_state(state)`` of a state saved while recording; False for any other state."""
+        entry = self.saved.get(id(state))
+        if entry is None or entry[1] is not state:
+            return False
+        self.log.rng_events.append(RngEvent(next(_SEQUENCE), "restore", entry[0]))
+        return True
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self, log: ConstructionLog, rng: _GeneratorWatch) -> None:
         super().__init__()
         self.log = log
+        self.rng = rng
+        self.suspended = 0  # inside a function recorded whole
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        self.rng.check()
         out = func(*args, **kwargs)
-        op = _classify(func, args, kwargs, out)
+        op = self._classify(func, args, kwargs, out)
         if op is not None:
             self.log.ops.append(op)
+            if op.real_draw:
+                self.rng.explained()
         return out
 
+    def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
+        inputs = _tensors((args, kwargs))
+        results = tree_leaves(out)
+        random = draws_random_numbers(func)
+        if not any(t.is_meta for t in inputs) and not any(_is_meta(t) for t in results):
+            self._follow_real(inputs, results, random)
+            if not random:
+                return None
+            return _new_op(func, _scratch_args(args), _scratch_args(kwargs), [], (), (), frozenset(), True, True)
+        input_storages = {storage_key(t) for t in inputs if t.is_meta}
+        outputs = [TensorRef.of(t) if _is_meta(t) and storage_key(t) not in input_storages else None for t in results]
+        writes: list[TensorRef] = []
+        reads: list[TensorRef] = []
+        overwritten = {ref.storage for ref in outputs if ref is not None}
+        for argument, value in _arguments(func, args, kwargs):
+            tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value]) if _is_meta(t)]
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            for tensor in tensors:
+                ref = TensorRef.of(tensor)
+                # An `out=` argument is set without being read; `self` of an in-place op that sets every element
+                # (`fill_`, `normal_`, `copy_`) too, when it spans its storage. Anything else reads what it writes.
+                if written and ref.whole and (argument.kwarg_only or op_base_name(func) in OVERWRITES):
+                    overwritten.add(ref.storage)
+                else:
+                    reads.append(ref)
+                if written:
+                    writes.append(ref)
+        if not writes and not any(outputs) and not random:
+            return None  # a view, or a query (`is_nonzero`, `sym_size`)
+        for tensor in [*inputs, *results]:
+            if _is_meta(tensor):
+                self.log.storages.setdefault(storage_key(tensor), tensor.untyped_storage())
+        return _new_op(
+            func,
+            _recorded_args(args),
+            _recorded_args(kwargs),
+            outputs,
+            tuple(writes),
+            tuple(reads),
+            frozenset(overwritten),
+            random,
+            False,
+        )
 
-def _classify(func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
-    arguments = op_arguments(func)
-    written = [
-        value
-        for argument, value in zip(arguments, args, strict=False)
-        if argument.alias_info is not None and argument.alias_info.is_write
-    ]
-    written += [
-        kwargs[argument.name]
-        for argument in arguments
-        if argument.alias_info is not None and argument.alias_info.is_write and argument.name in kwargs
-    ]
-    targets = [t for t in written if isinstance(t, torch.Tensor) and t.is_meta]
-    inputs = [t for t in _tensors((args, kwargs)) if t.is_meta and not any(t is w for w in targets)]
-    random = _draws_random_numbers(func)
-    if targets:
-        target = targets[0]
-        if len(targets) > 1:
-            kind: OpKind = "computed"
-        elif not inputs:
-            kind = "write"
-        else:
-            kind = "copy" if func.name() == "aten::copy_" and _whole_copy(inputs[0], target) else "computed"
-        source = inputs[0] if kind == "copy" else None
-        overwrites = func.name() in _OVERWRITES and covers_storage(target)
-        return _op(func, args, kwargs, kind, target, source, overwrites, random)
-    input_storages = {storage_key(t) for t in inputs}
-    created = [t for t in _tensors(out) if t.is_meta and storage_key(t) not in input_storages]
-    if not created:
-        # a view, or an op with no meta result; a draw still advances the random stream of an eager build
-        return _op(func, args, kwargs, "computed", None, None, False, True) if random else None
-    target = created[0]
-    if not inputs:
-        kind = "allocate" if func.name() in _ALLOCATIONS else "create"
-    elif len(created) == 1 and func.name() in _COPIES and len(inputs) == 1 and _whole_copy(inputs[0], target):
-        kind = "copy"
-    else:
-        kind = "computed"
-    source = inputs[0] if kind == "copy" else None
-    return _op(func, args, kwargs, kind, target, source, kind != "computed", random)
+    def _follow_real(self, inputs: list[torch.Tensor], results: list[Any], random: bool) -> None:
+        """Real tensors drawn while recording, and those computed from them, are noted (see ``drawn_real``)."""
+        drawn = self.log.drawn_real
+        if random or any(storage_key(t) in drawn for t in inputs):
+            drawn.update(storage_key(t) for t in results if isinstance(t, torch.Tensor))
 
 
-def _op(
+def _new_op(
     func: Any,
     args: tuple,
     kwargs: dict,
-    kind: OpKind,
-    target: torch.Tensor | None,
-    source: torch.Tensor | None,
-    overwrites: bool,
+    outputs: list[TensorRef | None],
+    writes: tuple[TensorRef, ...],
+    reads: tuple[TensorRef, ...],
+    overwritten: frozenset[int],
     random: bool,
-) -> Op | None:
-    if target is None and not random:
-        return None
-    whole = target is not None and covers_storage(target)
+    real_draw: bool,
+) -> Op:
     return Op(
         next(_SEQUENCE),
         func,
         args,
         kwargs,
-        kind,
-        target,
-        source,
-        whole,
-        overwrites and whole,
+        outputs,
+        writes,
+        reads,
+        overwritten,
         random,
+        real_draw,
         _modules_under_construction(),
     )
 
 
-def _whole_copy(source: torch.Tensor, target: torch.Tensor) -> bool:
-    return covers_storage(source) and covers_storage(target) and source.shape == target.shape
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def _arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
+    """``(schema argument, value)`` for each argument ``func`` was called with."""
+    for position, argument in enumerate(op_arguments(func)):
+        if position < len(args):
+            yield argument, args[position]
+        elif argument.name in kwargs:
+            yield argument, kwargs[argument.name]
+
+
+def _recorded_args(tree: Any) -> Any:
+    def recorded(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        return TensorRef.of(value) if value.is_meta else RealValue.of(value)
+
+    return tree_map(recorded, tree)
+
+
+def _scratch_args(tree: Any) -> Any:
+    """A real draw's arguments, its tensors replaced by placeholders of their shape: replaying it only advances the
+    stream (its values are never used)."""
+    return tree_map(lambda value: _Scratch.of(value) if isinstance(value, torch.Tensor) else value, tree)
+
+
+@dataclass(frozen=True)
+class _Scratch:
+    size: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Scratch:
+        return cls(tuple(tensor.size()), tensor.dtype)
+
+
+def scratch_like(value: Any) -> Any:
+    """A fresh CPU tensor for a real draw's placeholder argument (see :func:`_scratch_args`); anything else as is.
+
+    Example:
+        >>> scratch_like(3)
+        3
+    """
+    return torch.empty(value.size, dtype=value.dtype) if isinstance(value, _Scratch) else value
+
+
+class _PythonCalls:
+    """A profile hook (``sys.setprofile``, chained to any already set) that sees the calls of the functions recorded
+    whole and of ``get_rng_state`` / ``set_rng_state`` by their code objects, so that any name bound to them counts
+    (``from torch.nn.init import trunc_normal_`` before recording, as timm-style code does)."""
+
+    def __init__(self, log: ConstructionLog, recorder: _OpRecorder, rng: _GeneratorWatch) -> None:
+        self.log, self.recorder, self.rng = log, recorder, rng
+        self.whole = {
+            getattr(torch.nn.init, name).__code__: getattr(torch.nn.init, name) for name in WHOLE_INIT_FUNCTIONS
+        }
+        self.get_state = torch.random.get_rng_state.__code__
+        self.set_state = torch.random.set_rng_state.__code__
+        self.open: list[Any] = []  # frames of the calls being recorded whole
+        self.previous: Any = None
+
+    def __enter__(self) -> _PythonCalls:
+        self.previous = sys.getprofile()
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self.previous)
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if self.previous is not None:
+            self.previous(frame, event, arg)
+        if event == "call":
+            self._call(frame)
+        elif event == "return":
+            self._return(frame, arg)
+
+    def _call(self, frame: Any) -> None:
+        code = frame.f_code
+        if self.recorder.suspended:
+            return
+        if code is self.set_state:
+            self.rng.check()
+            if not self.rng.restoring(frame.f_locals.get("new_state")):
+                return  # a state from elsewhere: the generator watch records the state it leaves
+            self.open.append(frame)
+        elif code in self.whole:
+            tensor = frame.f_locals.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                self._record_whole(self.whole[code], frame, tensor)
+
+    def _record_whole(self, function: Callable[..., Any], frame: Any, tensor: torch.Tensor) -> None:
+        self.rng.check()
+        parameters = list(_signature(function).parameters)
+        kwargs = {name: frame.f_locals[name] for name in parameters[1:] if name in frame.f_locals}
+        ref = TensorRef.of(tensor)
+        self.log.storages.setdefault(ref.storage, tensor.untyped_storage())
+        overwritten = frozenset({ref.storage}) if ref.whole else frozenset()
+        reads = () if ref.whole else (ref,)
+        random = function.__name__ != "dirac_"
+        self.log.ops.append(
+            _new_op(function, (ref,), _recorded_args(kwargs), [], (ref,), reads, overwritten, random, False)
+        )
+        self.open.append(frame)
+        self.recorder.suspended += 1
+
+    def _return(self, frame: Any, value: Any) -> None:
+        if self.open and frame is self.open[-1]:
+            self.open.pop()
+            if frame.f_code is self.set_state:
+                self.rng.explained()
+            else:
+                self.recorder.suspended -= 1
+        elif frame.f_code is self.get_state and not self.recorder.suspended and isinstance(value, torch.Tensor):
+            self.rng.check()
+            self.rng.saved_state(value)
+
+
+@functools.cache
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(function)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     tree_map(lambda value: found.append(value) if isinstance(value, torch.Tensor) else None, tree)
     return found
-
-
-_draws_random_numbers = functools.cache(draws_random_numbers)
 
 
 def _modules_under_construction() -> tuple[nn.Module, ...]:

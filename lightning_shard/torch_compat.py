@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -183,15 +184,28 @@ def op_arguments(op: Any) -> list[Any]:
     return list(op._schema.arguments)
 
 
+@functools.cache
 def draws_random_numbers(op: Any) -> bool:
-    """Whether an ATen op consumes a random generator: every such op (``normal_``, ``uniform_``, ``randn``, ...)
-    takes one as an argument in its schema.
+    """Whether an ATen op consumes a random generator, decided from the op itself: torch tags every such op
+    (``normal_``, ``randn``, ``randperm``, ``rand_like``, ``bernoulli``, ...) ``nondeterministic_seeded``, whether
+    or not it takes a ``generator`` argument.
 
     Example:
-        >>> draws_random_numbers(torch.ops.aten.normal_.default), draws_random_numbers(torch.ops.aten.add.Tensor)
+        >>> draws_random_numbers(torch.ops.aten.randn.default), draws_random_numbers(torch.ops.aten.add.Tensor)
         (True, False)
     """
-    return any(argument.name == "generator" for argument in op_arguments(op))
+    return torch.Tag.nondeterministic_seeded in op.tags
+
+
+def op_base_name(op: Any) -> str:
+    """An ATen op's name without its overload: ``aten::fill_`` for ``aten::fill_.Scalar`` (``op.name()`` carries the
+    overload since torch 2.x's ``OpOverload.name``, the schema's ``name`` never does).
+
+    Example:
+        >>> op_base_name(torch.ops.aten.empty.memory_format)
+        'aten::empty'
+    """
+    return op._schema.name
 
 
 # ---------------------------------------------------------------------------------------------------- processes

@@ -322,9 +322,9 @@ def _build_and_shard(make: Any, mesh: Any) -> tuple[dict[str, torch.Tensor], dic
     """``make()`` built eagerly and on the meta device (then sharded and materialised), from the same seed."""
     torch.manual_seed(0)
     eager = make().state_dict()
+    torch.manual_seed(0)  # the construction draws from the stream as it was where the construction ran
     with meta_construction():
         lazy = make()
-    torch.manual_seed(0)
     parallelize_module(
         lazy, mesh, ShardingConfig(auto_wrap_policy=None), mp_policy=MixedPrecisionPolicy(),
         offload_policy=OffloadPolicy(), device=torch.device("cpu"),

@@ -196,7 +196,10 @@ class _TransformersModel:
         for _, buffer in self.buffers:
             buffer.fill_(float("nan"))
         load_pretrained_shards(self.model)
-        self.hf_swap = swap.with_policy("nan", keep=lambda p: getattr(p, "_is_hf_initialized", False))
+        self.hf_swap = swap.with_policy(
+            keep=lambda p: getattr(p, "_is_hf_initialized", False),
+            refuse_unset="its model's initialisation (Hugging Face `_init_weights`)",
+        )
 
     def _check_buffers(self) -> None:
         # a fake buffer (the memory simulation's) has no values to check

@@ -1,0 +1,87 @@
+"""Values that say "nothing wrote me": the guarantee under the initialisation rule that does not rest on the recorder.
+
+Materialisation allocates every tensor it initialises filled with a sentinel - NaN for floating point (and complex)
+dtypes, the largest value of an integer dtype, the byte ``0xFF`` (no valid ``bool``) for ``bool`` - and replays
+``torch.empty`` and its kin the same way (torch's ``fill_uninitialized_memory`` under deterministic algorithms). After
+the replay, a tensor that still holds a sentinel was written by nothing: neither the replay, nor a library's init, nor a
+``reset_parameters()``. It is an error naming the tensor, never uninitialised memory handed to training, whatever the
+recorder saw or missed.
+
+The price of the rule: a model whose construction sets NaN or an integer dtype's largest value on purpose cannot be
+built on the meta device (build it in ``__init__``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.utils.deterministic
+
+from lightning_shard.torch_compat import holds_values
+
+
+@contextmanager
+def uninitialized_memory_filled() -> Iterator[None]:
+    """Inside, ``torch.empty`` (and every op that allocates without writing) returns sentinel-filled memory: torch's
+    ``fill_uninitialized_memory``, which works under deterministic algorithms only (``warn_only``: nothing the replay
+    runs is refused; on CPU, where the replay runs, the deterministic kernels compute the same values).
+
+    Example:
+        >>> with uninitialized_memory_filled():
+        ...     torch.empty(2)
+        tensor([nan, nan])
+    """
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    previous_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = previous_fill
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def fill_unset(tensor: torch.Tensor) -> torch.Tensor:
+    """Fill ``tensor`` with its dtype's sentinel, in place.
+
+    Example:
+        >>> fill_unset(torch.zeros(2, dtype=torch.int8))
+        tensor([127, 127], dtype=torch.int8)
+    """
+    if tensor.dtype == torch.bool:
+        tensor.view(torch.uint8).fill_(0xFF)
+    elif tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    else:
+        tensor.fill_(torch.iinfo(tensor.dtype).max)
+    return tensor
+
+
+def empty_bytes(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``nbytes`` of CPU memory as ``uint8``, holding ``dtype``'s sentinel (a replay buffer for a storage).
+
+    Example:
+        >>> empty_bytes(4, torch.float32).view(torch.float32)
+        tensor([nan])
+    """
+    return fill_unset(torch.empty(nbytes // dtype.itemsize, dtype=dtype)).view(torch.uint8)
+
+
+def holds_unset(tensor: torch.Tensor) -> bool:
+    """Whether any element of ``tensor`` is its dtype's sentinel; a fake or meta tensor (the memory simulation's, a
+    test's stand-in device) has no values and never holds one.
+
+    Example:
+        >>> holds_unset(torch.tensor([1.0, float("nan")])), holds_unset(torch.arange(3))
+        (True, False)
+    """
+    if tensor.is_meta or not holds_values(tensor) or tensor.numel() == 0:
+        return False
+    if tensor.dtype == torch.bool:
+        return bool((tensor.view(torch.uint8) == 0xFF).any())
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(tensor.isnan().any())
+    return bool((tensor == torch.iinfo(tensor.dtype).max).any())
