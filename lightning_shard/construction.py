@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -146,7 +147,8 @@ class Op:
             :class:`RealValue`\\ s.
         outputs: the op's flattened result, a :class:`TensorRef` for each new meta tensor it returned, else ``None``.
         writes: the meta tensors it wrote in place.
-        reads: the meta tensors whose values it read (an in-place target that it does not overwrite whole included).
+        reads: the meta tensors it read as inputs; ``updates``: those it wrote in place without setting every element
+            (their other elements, or their values, carry over).
         overwritten: storages it set whole without reading them (its outputs' included).
         random: it draws from the random stream; ``real_draw``: on real tensors only (replayed into scratch).
         constructing: the modules whose ``__init__`` was running, outermost first.
@@ -159,6 +161,7 @@ class Op:
     outputs: list[TensorRef | None]
     writes: tuple[TensorRef, ...]
     reads: tuple[TensorRef, ...]
+    updates: tuple[TensorRef, ...]
     overwritten: frozenset[int]
     random: bool
     real_draw: bool
@@ -170,12 +173,19 @@ class Op:
 
     @property
     def read_storages(self) -> set[int]:
+        """The storages whose values before the op its results depend on."""
+        return {ref.storage for ref in itertools.chain(self.reads, self.updates)}
+
+    @property
+    def input_storages(self) -> set[int]:
+        """The storages it reads as inputs (what a draw into scratch still needs: ``bernoulli``'s probabilities)."""
         return {ref.storage for ref in self.reads}
 
     def refs(self) -> Iterator[TensorRef]:
         """Every meta tensor the op touched."""
         yield from self.writes
         yield from self.reads
+        yield from self.updates
         yield from filter(None, self.outputs)
         found: list[TensorRef] = []
         tree_map(lambda value: found.append(value) if isinstance(value, TensorRef) else None, (self.args, self.kwargs))
@@ -395,46 +405,59 @@ class _OpRecorder(TorchDispatchMode):
 
     def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
         inputs = _tensors((args, kwargs))
-        results = tree_leaves(out)
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         random = draws_random_numbers(func)
-        if not any(t.is_meta for t in inputs) and not any(_is_meta(t) for t in results):
+        real = not any(t.is_meta for t in [*inputs, *results])
+        if real:
+            # On real tensors only: no value of the model's, but a draw on the CPU advances the eager build's stream.
             self._follow_real(inputs, results, random)
-            if not random:
+            if not random or any(t.device.type != "cpu" for t in [*inputs, *results]):
                 return None
-            return _new_op(func, _scratch_args(args), _scratch_args(kwargs), [], (), (), frozenset(), True, True)
         input_storages = {storage_key(t) for t in inputs if t.is_meta}
-        outputs = [TensorRef.of(t) if _is_meta(t) and storage_key(t) not in input_storages else None for t in results]
+        outputs = [TensorRef.of(t) if t.is_meta and storage_key(t) not in input_storages else None for t in results]
         writes: list[TensorRef] = []
         reads: list[TensorRef] = []
+        updates: list[TensorRef] = []
+        written_real: set[int] = set()
         overwritten = {ref.storage for ref in outputs if ref is not None}
         for argument, value in _arguments(func, args, kwargs):
-            tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value]) if _is_meta(t)]
             written = argument.alias_info is not None and argument.alias_info.is_write
-            for tensor in tensors:
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if not tensor.is_meta:
+                    if written:
+                        written_real.add(id(tensor))
+                    continue
+                self.log.storages.setdefault(storage_key(tensor), tensor.untyped_storage())
                 ref = TensorRef.of(tensor)
+                if not written:
+                    reads.append(ref)
+                    continue
+                writes.append(ref)
                 # An `out=` argument is set without being read; `self` of an in-place op that sets every element
-                # (`fill_`, `normal_`, `copy_`) too, when it spans its storage. Anything else reads what it writes.
-                if written and ref.whole and (argument.kwarg_only or op_base_name(func) in OVERWRITES):
+                # (`fill_`, `normal_`, `copy_`) too, when it spans its storage. Anything else updates what it writes.
+                if ref.whole and (argument.kwarg_only or op_base_name(func) in OVERWRITES):
                     overwritten.add(ref.storage)
                 else:
-                    reads.append(ref)
-                if written:
-                    writes.append(ref)
+                    updates.append(ref)
         if not writes and not any(outputs) and not random:
             return None  # a view, or a query (`is_nonzero`, `sym_size`)
-        for tensor in [*inputs, *results]:
-            if _is_meta(tensor):
+        for tensor in results:
+            if tensor.is_meta:
                 self.log.storages.setdefault(storage_key(tensor), tensor.untyped_storage())
+        recorded = partial(_recorded_args, scratch=written_real)
         return _new_op(
             func,
-            _recorded_args(args),
-            _recorded_args(kwargs),
+            recorded(args),
+            recorded(kwargs),
             outputs,
             tuple(writes),
             tuple(reads),
+            tuple(updates),
             frozenset(overwritten),
             random,
-            False,
+            real,
         )
 
     def _follow_real(self, inputs: list[torch.Tensor], results: list[Any], random: bool) -> None:
@@ -451,6 +474,7 @@ def _new_op(
     outputs: list[TensorRef | None],
     writes: tuple[TensorRef, ...],
     reads: tuple[TensorRef, ...],
+    updates: tuple[TensorRef, ...],
     overwritten: frozenset[int],
     random: bool,
     real_draw: bool,
@@ -463,15 +487,12 @@ def _new_op(
         outputs,
         writes,
         reads,
+        updates,
         overwritten,
         random,
         real_draw,
         _modules_under_construction(),
     )
-
-
-def _is_meta(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 def _arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]]:
@@ -483,39 +504,25 @@ def _arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[tuple[Any, Any]
             yield argument, kwargs[argument.name]
 
 
-def _recorded_args(tree: Any) -> Any:
+def _recorded_args(tree: Any, scratch: set[int] = frozenset()) -> Any:  # type: ignore[assignment]
+    """An op's arguments as recorded: meta tensors as ``TensorRef``, real tensors it writes (``scratch``, by id: a real
+    draw's target) as ``Scratch`` placeholders, other real tensors as ``RealValue``."""
+
     def recorded(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        return TensorRef.of(value) if value.is_meta else RealValue.of(value)
+        if value.is_meta:
+            return TensorRef.of(value)
+        return Scratch(TensorRef.of(value)) if id(value) in scratch else RealValue.of(value)
 
     return tree_map(recorded, tree)
 
 
-def _scratch_args(tree: Any) -> Any:
-    """A real draw's arguments, its tensors replaced by placeholders of their shape: replaying it only advances the
-    stream (its values are never used)."""
-    return tree_map(lambda value: _Scratch.of(value) if isinstance(value, torch.Tensor) else value, tree)
-
-
 @dataclass(frozen=True)
-class _Scratch:
-    size: tuple[int, ...]
-    dtype: torch.dtype
+class Scratch:
+    """A real tensor a real draw wrote: replayed into a fresh tensor of its layout (the values are never used)."""
 
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _Scratch:
-        return cls(tuple(tensor.size()), tensor.dtype)
-
-
-def scratch_like(value: Any) -> Any:
-    """A fresh CPU tensor for a real draw's placeholder argument (see :func:`_scratch_args`); anything else as is.
-
-    Example:
-        >>> scratch_like(3)
-        3
-    """
-    return torch.empty(value.size, dtype=value.dtype) if isinstance(value, _Scratch) else value
+    layout: TensorRef
 
 
 class _PythonCalls:
@@ -570,10 +577,10 @@ class _PythonCalls:
         ref = TensorRef.of(tensor)
         self.log.storages.setdefault(ref.storage, tensor.untyped_storage())
         overwritten = frozenset({ref.storage}) if ref.whole else frozenset()
-        reads = () if ref.whole else (ref,)
+        updates = () if ref.whole else (ref,)
         random = function.__name__ != "dirac_"
         self.log.ops.append(
-            _new_op(function, (ref,), _recorded_args(kwargs), [], (ref,), reads, overwritten, random, False)
+            _new_op(function, (ref,), _recorded_args(kwargs), [], (ref,), (), updates, overwritten, random, False)
         )
         self.open.append(frame)
         self.recorder.suspended += 1

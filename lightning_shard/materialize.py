@@ -289,7 +289,7 @@ class _InitPlan:
         for key in library_tensors & self.held.keys():
             if self.held[key].storage in produced:
                 self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
-        self.needed, before = needed_ops(replayed_ops, set(self.keys_by_storage))
+        self.needed, before = needed_ops(replayed_ops, set(self.keys_by_storage), self._draws)
         # storages whose values come from outside the replay, read from a tensor holding them
         outside = [*library_tensors, *itertools.chain(*unlogged.values())]
         holder = {self.held[key].storage: key for key in reversed(outside) if key in self.held}
@@ -354,6 +354,11 @@ class _InitPlan:
                 "(share the parameter, as weight tying does), or build the model in `__init__`."
             )
 
+    def _draws(self, op: Op) -> bool:
+        """Whether ``op``'s random draws advance the stream: not those made in a library's constructors that an eager
+        load does not run (``from_pretrained``)."""
+        return self.library_op[op.seq].replays_draws if op.seq in self.library_op else True
+
     def _name(self, key: HolderKey) -> str:
         return _joined(self.names.get(key[0], ""), key[2])
 
@@ -364,7 +369,7 @@ class _InitPlan:
             self.needed,
             write_back={s: partial(self._write_back, s, swap) for s in self.keys_by_storage},
             external={s: partial(self._read_external, key) for s, key in self.external_keys.items()},
-            draws=lambda op: self.library_op[op.seq].replays_draws if op.seq in self.library_op else True,
+            draws=self._draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
         )
         items: list[tuple[float, int, int, Any]] = [(op.seq, 0, op.seq, op) for op in self.ops]

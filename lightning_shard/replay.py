@@ -25,14 +25,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.construction import (
-    ConstructionLog,
-    Op,
-    RealValue,
-    RngEvent,
-    TensorRef,
-    scratch_like,
-)
+from lightning_shard.construction import ConstructionLog, Op, RealValue, RngEvent, Scratch, TensorRef
 from lightning_shard.torch_compat import tree_leaves, tree_map
 from lightning_shard.unset import empty_bytes
 
@@ -49,13 +42,15 @@ def strided(buffer: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     return buffer.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
 
 
-def needed_ops(ops: list[Op], targets: set[int]) -> tuple[set[int], set[int]]:
+def needed_ops(ops: list[Op], targets: set[int], draws: Callable[[Op], bool]) -> tuple[set[int], set[int]]:
     """The ops (by ``seq``) the final values of the ``targets`` storages depend on, found backwards from the end: an
     op is needed when it writes a storage whose value is read later; a storage it sets whole is not needed before it,
-    one it reads is. Also the storages needed from before the first op (values that come from outside the replay).
+    one it reads is. A random op that ``draws`` still needs its inputs (a draw's count can depend on them:
+    ``bernoulli``'s probabilities). Also returned: the storages needed from before the first op (values that come
+    from outside the replay).
 
     Example:
-        >>> needed_ops([], {1})
+        >>> needed_ops([], {1}, draws=lambda op: True)
         (set(), {1})
     """
     live = set(targets)
@@ -65,6 +60,8 @@ def needed_ops(ops: list[Op], targets: set[int]) -> tuple[set[int], set[int]]:
             needed.add(op.seq)
             live -= op.overwritten
             live |= op.read_storages
+        elif op.random and draws(op):
+            live |= op.input_storages
     return needed, live
 
 
@@ -102,27 +99,35 @@ class Replay:
         last: dict[int, int] = {}
         for op in ops:
             if op.seq in needed:
-                for ref in op.refs():
-                    self.nbytes[ref.storage] = max(self.nbytes.get(ref.storage, 0), ref.nbytes)
-                    self.dtypes.setdefault(ref.storage, ref.dtype)
-                    last[ref.storage] = op.seq
+                refs = list(op.refs())
+            elif op.random and draws(op):
+                refs = list(op.reads)  # a draw into scratch reads its inputs
+            else:
+                continue
+            for ref in refs:
+                self.nbytes[ref.storage] = max(self.nbytes.get(ref.storage, 0), ref.nbytes)
+                self.dtypes.setdefault(ref.storage, ref.dtype)
+                last[ref.storage] = op.seq
         for storage, seq in last.items():
             self.closes.setdefault(seq, []).append(storage)
 
     def run(self, op: Op) -> None:
-        if op.seq not in self.needed:
-            if op.random and self.draws(op):
-                args, kwargs = _with_scratch(op)
-                op.func(*args, **kwargs)
+        if op.seq in self.needed:
+            for storage in op.overwritten:
+                self._buffer(storage, fresh=True)
+            args, kwargs = tree_map(self._real, (op.args, op.kwargs))
+            result = op.func(*args, **kwargs)
+            for leaf, ref in zip(tree_leaves(result), op.outputs, strict=False):
+                if ref is not None:
+                    strided(self.buffers[ref.storage], ref).copy_(leaf)
+            self.written |= op.written_storages
+        elif op.random and self.draws(op):
+            # Only the draw: what it writes goes to scratch, what it reads is real.
+            writes = op.written_storages
+            args, kwargs = tree_map(lambda value: self._real(value, scratch=writes), (op.args, op.kwargs))
+            op.func(*args, **kwargs)
+        else:
             return
-        for storage in op.overwritten:
-            self._buffer(storage, fresh=True)
-        args, kwargs = tree_map(self._real, (op.args, op.kwargs))
-        result = op.func(*args, **kwargs)
-        for leaf, ref in zip(tree_leaves(result), op.outputs, strict=False):
-            if ref is not None:
-                strided(self.buffers[ref.storage], ref).copy_(leaf)
-        self.written |= op.written_storages
         for storage in self.closes.get(op.seq, []):
             buffer = self.buffers.pop(storage)
             if storage in self.written and storage in self.write_back:
@@ -137,29 +142,20 @@ class Replay:
             self.buffers[storage] = buffer
         return buffer
 
-    def _real(self, value: Any) -> Any:
+    def _real(self, value: Any, scratch: set[int] = frozenset()) -> Any:  # type: ignore[assignment]
+        """A recorded argument's value for running the op: a view of its storage's buffer (or of ``scratch``, for
+        those storages), a real tensor's value, the CPU for the meta device."""
         if isinstance(value, TensorRef):
+            if value.storage in scratch:
+                return strided(torch.empty(value.nbytes, dtype=torch.uint8), value)
             return strided(self._buffer(value.storage, fresh=False), value)
+        if isinstance(value, Scratch):
+            return strided(torch.empty(value.layout.nbytes, dtype=torch.uint8), value.layout)
         if isinstance(value, RealValue):
             return _real_value(value)
         if isinstance(value, torch.device) and value.type == "meta":
             return _CPU
         return value
-
-
-def _with_scratch(op: Op) -> tuple[tuple, dict]:
-    """An op's arguments with its tensors replaced by fresh ones of the same layout: running it only draws."""
-
-    def scratch(value: Any) -> Any:
-        if isinstance(value, TensorRef):
-            return strided(torch.empty(value.nbytes, dtype=torch.uint8), value)
-        if isinstance(value, RealValue):
-            return torch.empty_like(value.tensor, device=_CPU)
-        if isinstance(value, torch.device) and value.type == "meta":
-            return _CPU
-        return scratch_like(value)
-
-    return tree_map(scratch, (op.args, op.kwargs))
 
 
 def _real_value(value: RealValue) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""The initialisation rule as a contract: a model built on the meta device equals its eager build, tensor by tensor, or
+setup stops with an error naming the tensors - for construction styles found in common model code (``init_styles``).
+
+One 2-rank launch (``init_corpus_run.py``: the Trainer for every reproducible style, Fabric for a subset, the error
+styles and the random state) against eager builds in this process; then one-process checks of the recorder's parts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_script  # noqa: E402
+from init_corpus_run import FABRIC_STYLES  # noqa: E402
+from init_styles import ERRORS, SEED, STYLES, Body, eager_state  # noqa: E402
+
+from lightning_shard.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
+from lightning_shard.materialize import materialize_sharded_module, meta_construction  # noqa: E402
+from lightning_shard.torch_compat import TorchDispatchMode, op_base_name  # noqa: E402
+
+REPRODUCIBLE = [name for name in STYLES if name not in ERRORS]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("init_corpus")
+    run_script("tests/init_corpus_run.py", "--out", str(out), timeout=900)
+    return torch.load(out / "corpus.pt", weights_only=False)
+
+
+def assert_equal_states(built: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> None:
+    """Equal tensor by tensor. A tensor built in a lower floating precision is stored in fp32 under "32-true" (the
+    precision upcasts it before sharding, as for an eager build): then its eager values upcast, bit for bit."""
+    assert built.keys() == eager.keys()
+    for key in eager:
+        expected = eager[key]
+        if built[key].dtype != expected.dtype:
+            assert expected.is_floating_point() and built[key].dtype == torch.float32, key
+            expected = expected.float()
+        assert torch.equal(built[key], expected), f"{key}: {(built[key].float() - expected.float()).abs().max()}"
+
+
+def test_the_corpus_has_at_least_twenty_styles() -> None:
+    assert len(REPRODUCIBLE) >= 20 and len(ERRORS) >= 2
+
+
+@pytest.mark.parametrize("name", REPRODUCIBLE)
+def test_trainer_builds_each_style_as_eagerly(corpus: dict[str, Any], name: str) -> None:
+    assert_equal_states(corpus["trainer"][name], eager_state(name))
+
+
+@pytest.mark.parametrize("name", FABRIC_STYLES)
+def test_fabric_builds_styles_as_eagerly(corpus: dict[str, Any], name: str) -> None:
+    torch.manual_seed(SEED)
+    eager = STYLES[name]().state_dict()
+    assert_equal_states(corpus["fabric"][name]["state"], eager)
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_styles_an_eager_build_cannot_be_reproduced_from_stop_with_the_tensors_named(
+    corpus: dict[str, Any], name: str
+) -> None:
+    result = corpus["fabric"][name]
+    assert "state" not in result
+    assert ERRORS[name] in result["error"]
+    tensor = {"empty_never_written": "'w'", "drawn_on_a_real_device": "'noise'"}[name]
+    assert tensor in result["error"]
+
+
+def test_a_real_head_assigned_after_init_module_keeps_its_values(corpus: dict[str, Any]) -> None:
+    result = corpus["fabric_real_head"]
+    torch.manual_seed(SEED)
+    body = Body().state_dict()
+    assert_equal_states({k: v for k, v in result["state"].items() if not k.startswith("head.")}, body)
+    assert_equal_states({k.removeprefix("head."): v for k, v in result["state"].items() if k.startswith("head.")},
+                        result["head_before"])  # fmt: skip
+
+
+def test_each_rank_keeps_its_own_random_state(corpus: dict[str, Any]) -> None:
+    drawn = corpus["fabric_per_rank_random_state"]["drawn"]
+    for rank in range(2):
+        torch.manual_seed(100 + rank)
+        assert torch.equal(drawn[rank], torch.rand(4))
+    assert not torch.equal(drawn[0], drawn[1])
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+
+
+def build(make: Any) -> nn.Module:
+    torch.manual_seed(SEED)
+    with meta_construction():
+        model = make()
+    materialize_sharded_module(model, torch.device("cpu"))
+    return model
+
+
+def test_op_tables_name_what_torch_dispatches() -> None:
+    """The tables hold overload-free names (c5f93f4 compared `aten::fill_.Scalar` against `aten::fill_`): each entry
+    is an op of this torch, and what the recorder sees for a fill, a copy and a draw carries the same names."""
+    for name in OVERWRITES:
+        namespace, op = name.split("::")
+        assert hasattr(getattr(torch.ops, namespace), op), name
+    with torch.device("meta"), record_construction() as log:
+        weight = torch.empty(3, 3)
+        weight.fill_(1.0)
+        weight.normal_()
+        weight.copy_(torch.ones(3, 3))
+        weight.zero_()
+    on_weight = [op for op in log.ops if any(ref.storage == log.ops[0].outputs[0].storage for ref in op.writes)]
+    assert op_base_name(log.ops[0].func) == "aten::empty"
+    assert [op_base_name(op.func) for op in on_weight] == ["aten::fill_", "aten::normal_", "aten::copy_", "aten::zero_"]
+    assert all(op_base_name(op.func) in OVERWRITES and op.overwritten for op in on_weight)
+
+
+def test_torch_empty_never_written_is_refused_even_with_reset_parameters() -> None:
+    with pytest.raises(RuntimeError, match=r"nothing its construction did wrote \['w'\]"):
+        build(STYLES["empty_never_written"])
+
+
+def test_fill_after_empty_like_counts_as_written() -> None:
+    model = build(STYLES["empty_like_then_fill"])
+    assert torch.equal(model.decay, torch.full((3,), 0.9))
+
+
+def test_replay_draws_on_the_cpu_generator_whatever_the_device() -> None:
+    """The GPU path's stand-in: materialising onto another device (meta stands in for CUDA: it holds no values and
+    draws nothing) still draws every random op on the CPU, from the CPU generator as the eager CPU build does, and
+    leaves the caller's generator as it found it."""
+    torch.manual_seed(SEED)
+    with meta_construction():
+        model = STYLES["nanogpt"]()
+
+    class Draws(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.devices: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self.devices += [t.device.type for t in args if isinstance(t, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    with Draws() as draws:
+        materialize_sharded_module(model, torch.device("meta"))
+    assert draws.devices and set(draws.devices) == {"cpu"}
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_module_built_on_meta_outside_any_recording_runs_its_reset_parameters() -> None:
+    torch.manual_seed(SEED)
+    expected = nn.Linear(3, 3).state_dict()
+    model = nn.Linear(3, 3, device="meta")
+    torch.manual_seed(SEED)
+    materialize_sharded_module(model, torch.device("cpu"))
+    assert_equal_states(model.state_dict(), expected)
+
+
+def test_logs_are_dropped_once_materialised() -> None:
+    model = build(STYLES["layer_scale"])
+    assert construction_logs(model) == []
