@@ -205,7 +205,8 @@ class RngEvent:
 
 @dataclass(eq=False)
 class Registration:
-    """``parent.<name> = new`` (a submodule, parameter or buffer), replacing ``old`` (:data:`ABSENT`: nothing)."""
+    """``parent.<name> = new`` (a submodule, parameter or buffer), replacing ``old`` (:data:`ABSENT`: nothing);
+    ``ref``: a meta tensor's storage and view at that moment (a later ``.data`` swap replaces the storage)."""
 
     seq: int
     parent: nn.Module
@@ -214,6 +215,7 @@ class Registration:
     old: Any
     new: Any
     constructing: tuple[nn.Module, ...]
+    ref: TensorRef | None = None
 
 
 @dataclass(eq=False)
@@ -287,7 +289,12 @@ def record_construction() -> Iterator[ConstructionLog]:
         def hook(parent: nn.Module, name: str, value: Any) -> None:
             old = parent.__dict__[table].get(name, ABSENT)
             seq = next(_SEQUENCE)
-            log.registrations.append(Registration(seq, parent, table, name, old, value, _modules_under_construction()))
+            ref = None
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                log.storages.setdefault(storage_key(value), value.untyped_storage())
+                ref = TensorRef.of(value)
+            constructing = _modules_under_construction()
+            log.registrations.append(Registration(seq, parent, table, name, old, value, constructing, ref))
             log.modules[id(parent)] = parent
             if isinstance(value, nn.Module):
                 log.modules[id(value)] = value

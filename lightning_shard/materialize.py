@@ -44,6 +44,7 @@ from lightning_shard.construction import (
     ConstructionLog,
     HolderKey,
     Op,
+    TensorRef,
     construction_logs,
     forget_construction,
     record_construction,
@@ -291,9 +292,16 @@ class _InitPlan:
                 self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
         self.needed, before = needed_ops(replayed_ops, set(self.keys_by_storage), self._draws)
         # storages whose values come from outside the replay, read from a tensor holding them
-        outside = [*library_tensors, *itertools.chain(*unlogged.values())]
-        holder = {self.held[key].storage: key for key in reversed(outside) if key in self.held}
-        self.external_keys = {storage: holder[storage] for storage in before & holder.keys()}
+        # A library's tensor also holds its value at the library's init in the storage it was registered with, which
+        # a later `.data` swap replaced (peft's PiSSA computes the adapters from it, then replaces the base weight).
+        registered = {
+            (id(r.parent), r.table, r.name): r.ref for log in logs for r in log.registrations if r.ref is not None
+        }
+        holder = {registered[key].storage: (key, registered[key]) for key in library_tensors & registered.keys()}
+        for key in [*library_tensors, *itertools.chain(*unlogged.values())]:
+            if key in self.held:
+                holder[self.held[key].storage] = (key, self.held[key])
+        self.external = {storage: holder[storage] for storage in before & holder.keys()}
         self._refuse_unknown_sources(replayed_ops, before - holder.keys())
 
     def _fallback_modules(self, unlogged: dict[int, list[HolderKey]]) -> list[nn.Module]:
@@ -329,10 +337,11 @@ class _InitPlan:
                 tainted |= op.written_storages
         names = [self._name(key) for s, keys in self.keys_by_storage.items() if s in tainted for key in keys]
         raise TypeError(
-            f"The model was created on the meta device, but {_shown(names)} were computed from meta tensors that were "
-            "created outside the recorded construction and belong to no module, so their values are unknown. Create "
-            "those tensors inside `configure_model()` / `init_module(empty_init=True)` too, or build the model in "
-            "`__init__`."
+            f"The model was created on the meta device, but {_shown(names)} were computed from meta tensors that "
+            "nothing in the recorded construction produced and no module holds (created on the meta device outside "
+            "`configure_model()` / `init_module(empty_init=True)`, or a library's tensor that was replaced after "
+            "being read), so their values are unknown. Create those tensors inside the recorded construction, or "
+            "build the model in `__init__`."
         )
 
     def _refuse_library_tensors_held_elsewhere(
@@ -368,7 +377,7 @@ class _InitPlan:
             self.ops,
             self.needed,
             write_back={s: partial(self._write_back, s, swap) for s in self.keys_by_storage},
-            external={s: partial(self._read_external, key) for s, key in self.external_keys.items()},
+            external={s: partial(self._read_external, *holding) for s, holding in self.external.items()},
             draws=self._draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
         )
@@ -398,10 +407,10 @@ class _InitPlan:
                 write_shards(strided(buffer, self.held[key]), live)
                 swap.initialized(live)
 
-    def _read_external(self, key: HolderKey, buffer: torch.Tensor) -> None:
+    def _read_external(self, key: HolderKey, ref: TensorRef, buffer: torch.Tensor) -> None:
         live = held_tensor(self.modules, key)
         full = live.full_tensor() if isinstance(live, DTensor) else live
-        strided(buffer, self.held[key]).copy_(full.to(self.held[key].dtype))
+        strided(buffer, ref).copy_(full.to(ref.dtype))
 
 
 def _class_name(module: nn.Module) -> str:

@@ -9,7 +9,7 @@ untouched by training; gradients and AdamW states for the LoRA tensors only (per
 KiB of AdamW states, for 177 KiB of frozen shards); small checkpoints (``save_frozen_pretrained_weights=False``:
 adapters, optimizer and loops, the files recorded) resumed to Lightning's own one-process resume (losses within
 4.8e-7), and refused when the files are missing or changed. Then what needs no processes: adapters computed from the
-base (PiSSA) refused, a user's module holding a transformers model with its own adapters and inits built equal to the
+base (PiSSA, OLoRA, DoRA) built equal to the eager build, a user's module holding a transformers model with its own adapters and inits built equal to the
 eager build, a tensor of the base held outside the model refused.
 """
 
@@ -367,14 +367,20 @@ def test_users_module_holding_a_transformers_model_is_built_as_eagerly(mesh) -> 
     assert built["head.weight"].eq(0).all() and built["backbone.layers.0.self_attn.q_proj.up.weight"].eq(0).all()
 
 
-def test_adapters_computed_from_the_base_are_refused(mesh) -> None:
-    # PiSSA initialises A and B from the base weight's SVD: nothing to compute it from on the meta device
+@pytest.mark.parametrize(
+    "adapters", [{"init_lora_weights": "pissa"}, {"init_lora_weights": "olora"}, {"use_dora": True}], ids=str
+)
+def test_adapters_computed_from_the_base_are_built_as_eagerly(mesh, adapters: dict[str, Any]) -> None:
+    # PiSSA (SVD) and OLoRA (QR) compute A and B from the base weight and replace it by the residual; DoRA's magnitude
+    # is its norm: replayed on the base weight as transformers' init left it
     def make() -> nn.Module:
-        config = LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa")
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **adapters)
         return get_peft_model(AutoModelForCausalLM.from_config(llama_config()), config)
 
-    with pytest.raises(TypeError, match=r"\['base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'"):
-        _build_and_shard(make, mesh)
+    eager, built = _build_and_shard(make, mesh)
+    assert eager.keys() == built.keys()
+    for key in eager:
+        assert torch.equal(built[key], eager[key]), key
 
 
 def test_a_base_tensor_not_in_the_files_is_refused_through_peft(checkpoints: Path, tmp_path: Path) -> None:
