@@ -31,6 +31,8 @@ _METADATA = frozenset({"dtype", "device", "shape", "ndim", "requires_grad", "is_
 # Iterating these calls yields a container's modules; `items()` / `named_children()` yield (name, module) pairs.
 _MODULE_ITERATORS = frozenset({"values", "children"})
 _NAMED_MODULE_ITERATORS = frozenset({"items", "named_children"})
+# Lightning runs a LightningModule through these, not only `forward` (the strategy gathers the root around them).
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 # Builtins that look at a value's structure or type, never at tensor values.
 _STRUCTURE_ONLY = frozenset({"len", "isinstance", "hasattr", "type", "id", "callable"})
 # Builtins whose iteration yields the elements of their first argument.
@@ -99,8 +101,7 @@ def _reached_into(module: nn.Module, chain: _Chain) -> list[nn.Module]:
         found = _follow(value, step)
         if found is _MISSING:
             return
-        if found is None:  # a plain attribute: nothing below it is a module's tensor
-            reached.extend(passed)
+        if found is None:  # a plain attribute (`first_layer.self_attn.batch_first`): no tensor is read
             return
         if not found:
             reached.extend([*passed, value])
@@ -143,9 +144,10 @@ def _follow(module: nn.Module, step: Step) -> list[nn.Module] | None | object:
 
 @functools.cache
 def _chains(cls: type) -> tuple[_Chain, ...]:
-    """Every ``self``-rooted chain in ``cls.forward`` and in the methods of ``cls`` it calls, transitively."""
+    """Every ``self``-rooted chain in ``cls.forward`` (and a LightningModule's step methods) and in the methods of
+    ``cls`` they call, transitively."""
     chains: list[_Chain] = []
-    pending, seen = ["forward"], set()
+    pending, seen = ["forward", *_STEP_METHODS], set()
     while pending:
         name = pending.pop()
         function = getattr(cls, name, None)
