@@ -217,18 +217,21 @@ def clip_grad_norm(
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    sharded = [p.grad for p in parameters if isinstance(p.grad, DTensor)]
-    whole = [p.grad for p in parameters if not isinstance(p.grad, DTensor)]
+    with_grads = [p for p in parameters if p.grad is not None]
+    groups = [
+        [p for p in with_grads if isinstance(p.grad, DTensor)],
+        [p for p in with_grads if not isinstance(p.grad, DTensor)],
+    ]
     norms = []
-    for grads in (sharded, whole):
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite)
+    for group in groups:
+        if group:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)
     total_norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    for group in groups:  # one foreach call may not mix DTensors and plain tensors
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
 
 
