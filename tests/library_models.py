@@ -94,7 +94,7 @@ def _dit() -> nn.Module:
     from diffusers import DiTTransformer2DModel
 
     model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                  num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+                                  num_layers=3, sample_size=8, patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
     for module in model.modules():
         if hasattr(module, "dropout_prob"):  # the class-label dropout of classifier-free guidance
             module.dropout_prob = 0.0

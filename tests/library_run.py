@@ -17,7 +17,6 @@ is recorded by its message), and for CLIP, whose ``logit_scale`` is kept whole o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import replace
@@ -33,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from library_models import CASES, case_inputs  # noqa: E402
-from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder  # noqa: E402
+from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder, scenario_parser  # noqa: E402
 
 import lightning_shard  # noqa: E402
 
@@ -159,11 +158,7 @@ def _save_both_formats(trainer: L.Trainer, checkpoints: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--reference", action="store_true")
-    parser.add_argument("--out", type=Path, required=True)
+    parser = scenario_parser(SCENARIOS)
     parser.add_argument("--checkpoints", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

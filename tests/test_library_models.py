@@ -47,7 +47,7 @@ EXPECTED_UNITS = {
     # blocks found inside down_blocks[i].resnets[j] / .attentions[j]
     "unet2d": ["Attention"] * 4 + ["ResnetBlock2D"] * 8,
     # the forward reads `self.transformer_blocks[0].norm1.emb`: block 0 stays in the root
-    "dit": ["BasicTransformerBlock"],
+    "dit": ["BasicTransformerBlock"] * 2,
     # layers[i] is a ModuleList of (norms, block, residual): the blocks, not the lists
     "x_transformer": ["Attention", "Attention", "FeedForward", "FeedForward"],
     # the Linear head no longer makes Linear a block (which wrapped MultiheadAttention's out_proj);
