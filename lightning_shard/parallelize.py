@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +27,7 @@ from lightning_shard.config import ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.replicated import replicate_unshardable_parameters, unshardable_parameters
 from lightning_shard.torch_compat import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
@@ -33,7 +35,7 @@ from lightning_shard.torch_compat import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from lightning_shard.wrap import select_modules
+from lightning_shard.wrap import plan_units
 
 
 def parallelize_module(
@@ -68,13 +70,25 @@ def parallelize_module(
         # An eagerly built model exists on every rank; make the replicas identical before each keeps its shard,
         # as DDP does when it wraps a model.
         _broadcast_from_rank_zero(model, device)
-    units = select_modules(model, config.auto_wrap_policy, "auto_wrap_policy")
-    checkpointed = select_modules(model, config.activation_checkpointing, "activation_checkpointing")
+    units = _planned_units(model, config.auto_wrap_policy, "auto_wrap_policy")
+    checkpointed = _planned_units(model, config.activation_checkpointing, "activation_checkpointing")
     wrappers = _apply_activation_checkpointing(model, checkpointed)
     if config.compile_kwargs is not None:
         _compile_units([wrappers.get(id(unit), unit) for unit in units], config.compile_kwargs)
 
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    replicated = unshardable_parameters(model)
+    if replicated:
+        rank_zero_info(
+            f"Kept whole on every rank, beside the shards (FSDP2 cannot shard a 0-d or non-contiguous parameter): "
+            f"{', '.join(name for name, _ in replicated)}."
+        )
+    shard = partial(
+        fully_shard,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params={param for _, param in replicated} or None,
+    )
     sharded = [
         shard(wrappers.get(id(unit), unit), reshard_after_forward=config.unit_reshard_after_forward) for unit in units
     ]
@@ -99,7 +113,23 @@ def parallelize_module(
             device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
         )
         materialize_sharded_module(model, parameter_device, buffer_device)
+    replicate_unshardable_parameters(model, [param for _, param in replicated], mesh, device)
     return units
+
+
+def _planned_units(model: nn.Module, policy: Any, argument: str) -> list[nn.Module]:
+    """The modules ``policy`` selects, saying on rank 0 what it had to leave out and when "auto" found no block."""
+    plan = plan_units(model, policy, argument)
+    if plan.note:
+        rank_zero_info(plan.note)
+    if plan.left_out:
+        # "auto" chose the class; a policy the user wrote named these modules and gets a warning.
+        say = rank_zero_info if policy == "auto" else rank_zero_warn
+        say(
+            f"`{argument}` leaves modules that cannot be units of their own in the unit around them: "
+            + "; ".join(f"`{name}` ({reason})" for name, reason in plan.left_out.items())
+        )
+    return plan.modules
 
 
 def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> None:

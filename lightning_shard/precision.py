@@ -207,18 +207,32 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip gradients to a global norm computed over all shards; returns the total norm (a plain tensor).
 
-    ``torch.nn.utils.clip_grad_norm_`` accepts DTensor gradients: the per-shard norms reduce to the norm of the
-    full gradient. Parameters of different meshes (none here) would need one norm per mesh.
+    ``torch.nn.utils.get_total_norm`` of DTensor gradients is the norm of the full gradients (the per-shard norms
+    reduce across ranks). The gradients of replicated parameters (:mod:`lightning_shard.replicated`) are plain
+    tensors, whole and equal on every rank: their norm is taken locally, so each counts once, and combined with the
+    sharded one.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    total_norm = torch.nn.utils.clip_grad_norm_(
-        list(parameters), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-    )
-    return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+    with_grads = [p for p in parameters if p.grad is not None]
+    groups = [
+        [p for p in with_grads if isinstance(p.grad, DTensor)],
+        [p for p in with_grads if not isinstance(p.grad, DTensor)],
+    ]
+    norms = []
+    for group in groups:
+        if group:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total_norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type)
+    for group in groups:  # one foreach call may not mix DTensors and plain tensors
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
+    return total_norm
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:

@@ -44,6 +44,7 @@ from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
+from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
 
 TBroadcast = TypeVar("TBroadcast")
@@ -257,10 +258,12 @@ class ShardedStrategyCore:
             yield
             return
         module.set_requires_gradient_sync(False)
+        set_gradient_sync(module, False)  # the replicated parameters' gradients wait for the last micro-batch too
         try:
             yield
         finally:
             module.set_requires_gradient_sync(True)
+            set_gradient_sync(module, True)
 
     def _check_optimizers_are_elementwise(self, optimizers: list[Optimizer]) -> None:
         if self.device_mesh["shard"].size() == 1:

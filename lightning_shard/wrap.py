@@ -7,8 +7,15 @@ The user describes the modules in one of the forms fairseq, Hugging Face Acceler
 * an ``int`` - the minimum number of parameters a unit must hold (fairseq ``min_num_params``, SIZE_BASED_WRAP);
 * a callable ``module -> bool``;
 * ``None`` - no submodule (NO_WRAP: only the root is sharded);
-* ``"auto"`` - the block classes a Hugging Face model names in ``_no_split_modules``; otherwise the block class
-  repeated inside ``nn.ModuleList`` / ``nn.Sequential`` containers (none: root only).
+* ``"auto"`` - the block classes a Hugging Face model names in ``_no_split_modules``; otherwise the block classes
+  repeated inside ``nn.ModuleList`` / ``nn.Sequential`` / ``nn.ModuleDict`` containers, looking through containers
+  nested in containers (``layers[i][j]``). None found: the root alone is the one unit.
+
+Whatever the policy, a module that cannot be a unit is left to the unit around it: a container without ``forward``
+(``fully_shard`` refuses it) and a module whose insides an enclosing module's code reads without calling it
+(``nn.MultiheadAttention`` hands ``self.out_proj.weight`` to its attention function; FSDP2 gathers a unit's
+parameters only around its own call; see :mod:`lightning_shard.forward_reads`). ``"auto"`` leaves them out quietly;
+a policy that names them gets a warning saying which and why (:func:`plan_units`).
 
 Everything here is a pure function of the model and the policy, so it is tested without processes.
 """
@@ -17,15 +24,33 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from lightning_shard.forward_reads import has_own_forward, modules_read_from_outside
 from lightning_shard.fsdp1_compat import is_fsdp1_policy
 
 WrapPolicy = str | int | type | Iterable[Any] | Callable[[nn.Module], bool] | None
 
 _AUTO = "auto"
+# Containers: they hold blocks, they are not blocks (``nn.Sequential`` has a forward and may be one as well).
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# A repeated class whose largest instance holds less than this share of the largest candidate block's parameters (the
+# norms beside the attention and MLP of an x-transformers layer) is not made a unit: it would cost a collective per
+# step for memory that does not matter.
+_SMALLEST_BLOCK_SHARE = 1 / 16
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """What a policy selects in a model: ``modules`` (post-order), the ``left_out`` ones it matched but that cannot be
+    units (their names and why), and a ``note`` when ``"auto"`` found no block and the root alone is the unit."""
+
+    modules: list[nn.Module]
+    left_out: dict[str, str] = field(default_factory=dict)
+    note: str | None = None
 
 
 def validate_policy(policy: Any, argument: str) -> None:
@@ -90,7 +115,8 @@ def validate_policy(policy: Any, argument: str) -> None:
 
 
 def select_modules(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wrap_policy") -> list[nn.Module]:
-    """Return the submodules of ``root`` (never ``root`` itself) that ``policy`` selects, in post-order.
+    """Return the submodules of ``root`` (never ``root`` itself) that ``policy`` selects and that can be units, in
+    post-order (:func:`plan_units` also says what it left out).
 
     Post-order (children before parents) is the order ``fully_shard`` must be applied in.
 
@@ -99,22 +125,45 @@ def select_modules(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wr
         >>> [type(m).__name__ for m in select_modules(model, {nn.Linear})]
         ['Linear', 'Linear']
     """
+    return plan_units(root, policy, argument).modules
+
+
+def plan_units(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wrap_policy") -> UnitPlan:
+    """What ``policy`` selects in ``root``, what it matched but left out (a module that cannot be a unit stays in the
+    unit around it) and, for ``"auto"`` without any block, the note that the root alone is the unit.
+
+    Example:
+        >>> plan = plan_units(nn.MultiheadAttention(8, 2), {nn.Linear})
+        >>> plan.modules, plan.left_out
+        ([], {'out_proj': 'MultiheadAttention.forward reads `self.out_proj.weight`'})
+    """
     if policy is None:
-        return []
-    match = _matcher(root, policy, argument)
-    return [module for module in _post_order(root) if module is not root and match(module)]
+        return UnitPlan([])
+    unusable = _unusable_as_units(root)
+    match = _matcher(root, policy, argument, unusable)
+    matched = [module for module in _post_order(root) if module is not root and match(module)]
+    names = {id(module): name for name, module in root.named_modules()}
+    left_out = {names[id(m)]: unusable[id(m)] for m in matched if id(m) in unusable and _size(m)}
+    modules = [module for module in matched if id(module) not in unusable]
+    note = None
+    if policy == _AUTO and not modules:
+        note = (
+            f"`{argument}='auto'` found no repeated block in {type(root).__name__} that can be a unit of its own "
+            "(a module with a forward that its parents only call), so the root alone is sharded as one unit; name "
+            f"the block classes in `{argument}` to shard block by block."
+        )
+    return UnitPlan(modules, left_out, note)
 
 
 def candidate_block_classes(root: nn.Module) -> list[str]:
-    """Names of classes that appear more than once inside ``nn.ModuleList`` / ``nn.Sequential`` containers.
-
-    These are the repeated blocks (transformer layers) a wrap policy usually names.
+    """Names of the block classes repeated inside containers (``nn.ModuleList`` / ``nn.Sequential`` /
+    ``nn.ModuleDict``, nested or not) that can be units: the transformer layers a wrap policy usually names.
 
     Example:
         >>> candidate_block_classes(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
         ['Linear']
     """
-    return [cls.__name__ for cls in _repeated_block_classes(root)]
+    return [cls.__name__ for cls in _repeated_block_classes(root, _unusable_as_units(root))]
 
 
 def _check_module_class(cls: type, argument: str) -> None:
@@ -122,17 +171,29 @@ def _check_module_class(cls: type, argument: str) -> None:
         raise TypeError(f"`{argument}` entry {cls!r} is not an nn.Module subclass.")
 
 
-def _matcher(root: nn.Module, policy: WrapPolicy, argument: str) -> Callable[[nn.Module], bool]:
+def _unusable_as_units(root: nn.Module) -> dict[int, str]:
+    """The modules of ``root`` that cannot be FSDP units, by ``id``, with the reason."""
+    unusable = {
+        id(module): f"{type(module).__name__} has no forward of its own (a container)"
+        for module in root.modules()
+        if not has_own_forward(module)
+    }
+    return {**modules_read_from_outside(root), **unusable}
+
+
+def _matcher(
+    root: nn.Module, policy: WrapPolicy, argument: str, unusable: dict[int, str]
+) -> Callable[[nn.Module], bool]:
     validate_policy(policy, argument)
     if isinstance(policy, int):
-        return _size_matcher(policy)
+        return _size_matcher(policy, unusable)
     if policy == _AUTO:
         names = _no_split_class_names(root)
         if names:
             return lambda module: type(module).__name__ in names
         # No repeated block (a small or flat model) selects nothing: the root alone becomes the one unit.
-        classes = tuple(_repeated_block_classes(root))
-        return lambda module: isinstance(module, classes)
+        classes = set(_repeated_block_classes(root, unusable))
+        return lambda module: type(module) in classes
     if isinstance(policy, (str, type)):
         policy = [policy]
     if callable(policy):
@@ -141,12 +202,15 @@ def _matcher(root: nn.Module, policy: WrapPolicy, argument: str) -> Callable[[nn
     return lambda module: isinstance(module, classes)
 
 
-def _size_matcher(min_num_params: int) -> Callable[[nn.Module], bool]:
+def _size_matcher(min_num_params: int, unusable: dict[int, str]) -> Callable[[nn.Module], bool]:
     """fairseq / FSDP1 size-based wrapping: a module becomes a unit when the parameters not already in a
-    smaller unit below it reach ``min_num_params``. Tracks what post-order traversal has claimed."""
+    smaller unit below it reach ``min_num_params``. Tracks what post-order traversal has claimed; a module that
+    cannot be a unit claims nothing, so its parameters count towards the module around it."""
     claimed: set[int] = set()
 
     def match(module: nn.Module) -> bool:
+        if id(module) in unusable:
+            return False
         unclaimed = [p for p in module.parameters() if id(p) not in claimed]
         if sum(p.numel() for p in unclaimed) < min_num_params:
             return False
@@ -194,23 +258,35 @@ def _no_split_class_names(root: nn.Module) -> set[str]:
     return declared & {type(module).__name__ for module in root.modules()}
 
 
-def _repeated_block_classes(root: nn.Module) -> list[type]:
-    """Classes repeated inside ModuleList/Sequential containers, keeping only the outermost: a class whose
-    repeated instances all sit inside instances of another candidate (the Linears inside each Block) is dropped."""
-    members: dict[type, list[nn.Module]] = {}
+def _repeated_block_classes(root: nn.Module, unusable: dict[int, str]) -> list[type]:
+    """The block classes of ``root``: classes with a forward whose instances are members of containers more than once
+    - looking through containers held in containers (an x-transformers layer is a ``ModuleList`` inside ``layers``) -
+    and of which at least one instance can be a unit. Kept: the outermost (a class most of whose parameters sit
+    inside instances of another candidate, such as ``Linear`` inside each block beside one ``Linear`` head, is
+    dropped), unless tiny next to the largest block (:data:`_SMALLEST_BLOCK_SHARE`)."""
+    members: dict[type, int] = {}
+    for container in root.modules():
+        if isinstance(container, _CONTAINERS):
+            for child in container.children():
+                if has_own_forward(child) and any(True for _ in child.parameters()):
+                    members[type(child)] = members.get(type(child), 0) + 1
+    instances: dict[type, list[nn.Module]] = {}
     for module in root.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            for child in module.children():
-                if any(True for _ in child.parameters()):
-                    members.setdefault(type(child), []).append(child)
-    repeated = [cls for cls, instances in members.items() if len(instances) > 1]
+        if members.get(type(module), 0) > 1:
+            instances.setdefault(type(module), []).append(module)
+    repeated = {cls: found for cls, found in instances.items() if any(id(m) not in unusable for m in found)}
     outermost = []
-    for cls in repeated:
-        enclosing = [members[other] for other in repeated if other is not cls]
-        enclosed = {id(sub) for instances in enclosing for block in instances for sub in block.modules()}
-        if any(id(instance) not in enclosed for instance in members[cls]):
+    for cls, found in repeated.items():
+        enclosing = [block for other, blocks in repeated.items() if other is not cls for block in blocks]
+        enclosed = {id(sub) for block in enclosing for sub in block.modules() if sub is not block}
+        if 2 * sum(_size(m) for m in found if id(m) in enclosed) < sum(_size(m) for m in found):
             outermost.append(cls)
-    return outermost
+    largest = max((_size(block) for cls in outermost for block in repeated[cls]), default=0)
+    return [cls for cls in outermost if max(map(_size, repeated[cls])) >= largest * _SMALLEST_BLOCK_SHARE]
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

@@ -10,7 +10,6 @@ with ``save_pretrained`` (safetensors).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -27,7 +26,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder  # noqa: E402
+from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder, scenario_parser  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.hf  # noqa: E402
@@ -339,12 +338,8 @@ def _per_rank(value: Any) -> list[Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenarios", nargs="+", choices=["llama", "gpt2", "litgpt", *PRETRAINED])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--reference", action="store_true")
+    parser = scenario_parser(["llama", "gpt2", "litgpt", *PRETRAINED])
     parser.add_argument("--checkpoints", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.scenarios:

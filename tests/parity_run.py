@@ -8,7 +8,6 @@ Run as a script (Lightning's subprocess launcher re-runs it for the other ranks)
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import FULL, IN_FEATURES, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, IN_FEATURES, QUIET, GlobalLossRecorder, ToyModel, rank_slice_loader, scenario_parser  # noqa: E402
 
 import lightning_shard  # noqa: E402,F401
 from lightning_shard.memory.accounting import gradient_bytes, held_bytes, unsharded_gradients  # noqa: E402
@@ -145,11 +144,7 @@ def _record_exit(path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--reference", action="store_true")
-    parser.add_argument("--out", type=Path, required=True)
+    parser = scenario_parser(SCENARIOS)
     parser.add_argument("--record-exit", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,15 +10,19 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 from toy import Block, ToyModel
 
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
 from lightning_shard.cpu.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter
 from lightning_shard.materialize import materialize_sharded_module
+from lightning_shard.memory import estimate_memory
 from lightning_shard.memory.auto_sharding import choose_sharding
 from lightning_shard.parallelize import parallelize_module
-from lightning_shard.wrap import candidate_block_classes, select_modules
+from lightning_shard.precision import clip_grad_norm
+from lightning_shard.replicated import unshardable_parameters
+from lightning_shard.wrap import candidate_block_classes, plan_units, select_modules
 
 
 def unit_names(model: nn.Module, mesh, **config) -> list[str]:
@@ -271,3 +275,169 @@ def test_auto_sharding_says_when_nothing_fits() -> None:
             device_memory_bytes=2**20,
             can_offload=False,
         )
+
+
+# ---------------------------------------------------------------------------------------------- what "auto" picks
+
+
+class NestedLayers(nn.Module):
+    """x-transformers' layout: ``layers[i]`` is a ModuleList of (norm, block); forward calls them one by one."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleList([nn.LayerNorm(8), Block(8)]) for _ in range(depth))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, block in self.layers:
+            x = block(norm(x))
+        return self.head(x)
+
+
+class AttentionWithHead(nn.Module):
+    """nn.MultiheadAttention blocks beside a Linear head in a Sequential (MONAI's MIL model, open_clip's style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0) for _ in range(2))
+        self.head = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder:
+            x = layer(x)
+        return self.head(x)
+
+
+class ReadsFirstBlock(nn.Module):
+    """diffusers' DiT: the forward calls a submodule of its first block itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.blocks[0].fc1(x)[..., :8]
+        for _index, block in enumerate(self.blocks):
+            x = block(x)
+        return x
+
+
+def names_of(model: nn.Module, modules: list[nn.Module]) -> list[str]:
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(module)] for module in modules]
+
+
+def test_auto_finds_the_blocks_inside_nested_containers() -> None:
+    model = NestedLayers()
+    # the blocks, not the inner ModuleLists (fully_shard refuses a container without forward) nor the tiny norms
+    assert names_of(model, select_modules(model, "auto")) == ["layers.0.1", "layers.1.1", "layers.2.1"]
+    assert candidate_block_classes(model) == ["Block"]
+
+
+def test_a_stray_linear_head_does_not_make_linear_a_block() -> None:
+    model = AttentionWithHead()
+    plan = plan_units(model, "auto")
+    assert names_of(model, plan.modules) == ["encoder.0", "encoder.1"]
+    # A policy that names Linear gets the head's: MultiheadAttention hands `out_proj.weight` to its attention function,
+    # and TransformerEncoderLayer's inference fast path hands over its Linears' weights too.
+    plan = plan_units(model, {nn.Linear})
+    assert names_of(model, plan.modules) == ["head.0", "head.2"]
+    assert plan.left_out["encoder.0.self_attn.out_proj"] == (
+        "TransformerEncoderLayer.forward reads `self.self_attn.out_proj.weight`"
+    )
+    assert {name.split(".", 2)[-1] for name in plan.left_out} == {"self_attn.out_proj", "linear1", "linear2"}
+
+
+def test_a_block_its_parent_reads_into_stays_in_the_parent() -> None:
+    model = ReadsFirstBlock()
+    plan = plan_units(model, "auto")
+    assert names_of(model, plan.modules) == ["blocks.1", "blocks.2"]
+    assert plan.left_out == {"blocks.0": "ReadsFirstBlock.forward reads `self.blocks[0].fc1`"}
+
+
+def test_without_a_repeated_block_auto_shards_the_root_and_says_so() -> None:
+    plan = plan_units(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LayerNorm(8)), "auto")
+    assert plan.modules == [] and "the root alone is sharded as one unit" in plan.note
+    assert plan_units(ToyModel(), "auto").note is None
+
+
+def test_forward_reads_follow_aliases_and_ignore_structure_and_metadata() -> None:
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(8) for _ in range(2))
+            self.seq = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            self.norm = nn.LayerNorm(8)
+            self.proj = nn.Linear(8, 8)
+            self.other = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block, layer in zip(self.blocks, self.seq, strict=True):  # iterating the Sequential reads into it
+                x = layer(block(x))
+            assert len(self.blocks) == 2 and self.proj.weight.dtype == x.dtype  # structure and metadata only
+            if hasattr(self.norm, "emb"):
+                x = self.norm.emb(x)  # a branch this LayerNorm cannot take
+            return self._helper(x)
+
+        def _helper(self, x: torch.Tensor) -> torch.Tensor:
+            return self.other.forward(x)  # bypasses the unit's hooks
+
+    model = Parent()
+    reads = {names_of(model, [m])[0]: reason for m in model.modules() if (reason := _read(model, m))}
+    assert reads == {"seq": "Parent.forward reads `layer`", "other": "Parent.forward reads `self.other.forward`"}
+
+
+def _read(model: nn.Module, module: nn.Module) -> str | None:
+    from lightning_shard.forward_reads import modules_read_from_outside
+
+    return modules_read_from_outside(model).get(id(module))
+
+
+# ---------------------------------------------------------------------------------------------- replicated parameters
+
+
+class WithScale(nn.Module):
+    """CLIP's pattern: a 0-d ``logit_scale`` beside the blocks, and a non-contiguous (transposed) parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(8) for _ in range(2))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+        self.proj = nn.Parameter(torch.randn(4, 8).t())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return (x @ self.proj) * self.logit_scale.exp()
+
+
+def test_parameters_fully_shard_refuses_are_kept_whole_and_clipped_once(mesh) -> None:
+    torch.manual_seed(0)
+    model, reference = WithScale(), WithScale()
+    reference.load_state_dict(model.state_dict())
+    assert [name for name, _ in unshardable_parameters(model)] == ["logit_scale", "proj"]
+    names = unit_names(model, mesh)  # failed before: "fully_shard doesn't support scalar parameters"
+    assert names == ["", "blocks.0", "blocks.1"]
+    assert not isinstance(model.logit_scale, DTensor) and not isinstance(model.proj, DTensor)
+    assert isinstance(model.blocks[0].fc1.weight, DTensor)
+    x = torch.randn(3, 8)
+    for m in (model, reference):
+        m(x).square().sum().backward()
+    total = clip_grad_norm(model.parameters(), max_norm=1.0)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1.0)
+    assert torch.allclose(total, expected)
+    assert torch.allclose(model.logit_scale.grad, reference.logit_scale.grad)
+    assert torch.allclose(model.blocks[0].fc1.weight.grad.full_tensor(), reference.blocks[0].fc1.weight.grad)
+
+
+def test_the_estimate_counts_replicated_parameters_whole_on_every_rank() -> None:
+    # 4 x 1000 x 1000 weights + biases sharded over 2 ranks, and 10 0-d scales kept whole: AdamW, fp32
+    model = nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(4)])
+    model.scales = nn.ParameterList(nn.Parameter(torch.tensor(1.0)) for _ in range(10))
+    estimate = estimate_memory(model, world_size=2)
+    sharded = 4 * 1_001_000 // 2
+    assert estimate.device.params == 4 * (sharded + 10)
+    assert estimate.device.grads == 4 * (sharded + 10)
+    assert estimate.device.optimizer_states == 2 * 4 * (sharded + 10)
+    offloaded = estimate_memory(model, world_size=2, cpu_offload=True)
+    assert (offloaded.device.params, offloaded.cpu.params) == (4 * 10, 4 * sharded)

@@ -6,7 +6,9 @@ the r-th slice of every global batch, so the mean of the ranks' losses is the on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import argparse
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -169,3 +171,14 @@ class StateRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._record("end", trainer, pl_module)
+
+
+def scenario_parser(scenarios: Iterable[str]) -> argparse.ArgumentParser:
+    """The command line every run script shares: scenario names, ``--devices``, ``--reference`` (the one-process
+    run) and ``--out`` (where the results go); a script adds its own options."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenarios", nargs="+", choices=sorted(scenarios))
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser

@@ -19,6 +19,9 @@ parameters of the largest wrap unit):
   (``world_size / num_nodes``), NO_SHARD not at all.
 * ``cpu_offload`` moves the sharded parameters, gradients and optimizer states to host memory; the gathered units and
   activations stay on the device.
+* parameters ``fully_shard`` cannot shard (0-d such as CLIP's ``logit_scale``, non-contiguous) are kept whole on every
+  rank (:mod:`lightning_shard.replicated`): ``p``, ``g`` and ``k × p`` B each, undivided, on the device also under
+  ``cpu_offload``.
 * gradient accumulation over ``k = accumulate_grad_batches`` micro-batches: by default (``gradient_accumulation=
   "sharded"``) every micro-batch is reduce-scattered into the sharded gradients, which costs nothing more. With
   ``"unsharded"`` and ``k > 1`` the non-final micro-batches skip the reduce-scatter and FSDP2 keeps every
@@ -72,7 +75,7 @@ from torch import nn
 from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
-from lightning_shard.memory.units import count_parameters, mesh_shape
+from lightning_shard.memory.units import count_parameters, mesh_shape, replicated_parameter_counts
 from lightning_shard.precision import PRECISION_ALIASES
 
 GIB = 2**30
@@ -251,10 +254,11 @@ def estimate_memory(
     param_b, grad_b, state_b, compute_b = _PRECISION_BYTES[precision]
     shards = _shard_degree(sharding_strategy, world_size, num_nodes)
     states = OPTIMIZER_STATES_PER_PARAM[optimizer]
+    whole, whole_trainable = replicated_parameter_counts(model) if isinstance(model, nn.Module) else (0, 0)
     sharded = MemoryBreakdown(
-        params=math.ceil(n_params * param_b / shards),
-        grads=math.ceil(trainable * grad_b / shards),
-        optimizer_states=math.ceil(trainable * states * state_b / shards),
+        params=math.ceil((n_params - whole) * param_b / shards),
+        grads=math.ceil((trainable - whole_trainable) * grad_b / shards),
+        optimizer_states=math.ceil((trainable - whole_trainable) * states * state_b / shards),
     )
     # Units kept gathered (module docstring), plus one unit's reduce-scatter input in the reduce dtype.
     kept = n_params if sharding_strategy in ("SHARD_GRAD_OP", "NO_SHARD") else 3 * largest
@@ -273,7 +277,15 @@ def estimate_memory(
             fused_attention=fused_attention,
         )
     accumulated = trainable * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
-    on_device = MemoryBreakdown(accumulated_grads=accumulated, gathered_peak=gathered, activations=activations)
+    on_device = MemoryBreakdown(
+        # the replicated parameters' gradients are among the whole ones while those are held
+        params=whole * param_b,
+        grads=0 if accumulated else whole_trainable * grad_b,
+        accumulated_grads=accumulated,
+        optimizer_states=whole_trainable * states * state_b,
+        gathered_peak=gathered,
+        activations=activations,
+    )
     if cpu_offload:
         device, cpu = on_device, sharded
     else:

@@ -5,6 +5,7 @@ from typing import NamedTuple
 from torch import nn
 
 from lightning_shard.config import ShardingConfig
+from lightning_shard.replicated import unshardable_parameters
 
 
 def wrap_units(module: nn.Module) -> list[nn.Module]:
@@ -53,6 +54,21 @@ def count_parameters(module: nn.Module) -> ParameterCounts:
         trainable=sum(p.numel() for p in module.parameters() if p.requires_grad),
         largest_unit_trainable=max(trainable_sizes),
     )
+
+
+def replicated_parameter_counts(module: nn.Module) -> tuple[int, int]:
+    """``(all, trainable)`` elements of the parameters kept whole on every rank because ``fully_shard`` cannot shard
+    them (0-d, non-contiguous; see :mod:`lightning_shard.replicated`).
+
+    Example:
+        >>> import torch
+        >>> model = nn.Linear(2, 2)
+        >>> model.scale = nn.Parameter(torch.tensor(1.0))
+        >>> replicated_parameter_counts(model)
+        (1, 1)
+    """
+    params = [param for _, param in unshardable_parameters(module)]
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 def mesh_shape(sharding_strategy: str, world_size: int, num_nodes: int) -> tuple[int, ...]:
