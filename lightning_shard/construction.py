@@ -20,6 +20,7 @@ stream, so the weights equal an eager build whatever code initialised them.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import itertools
@@ -37,6 +38,7 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
+from torch.overrides import TorchFunctionMode
 
 from lightning_shard.torch_compat import (
     TorchDispatchMode,
@@ -282,8 +284,6 @@ def record_construction() -> Iterator[ConstructionLog]:
     """
     log = ConstructionLog(rng_start=torch.default_generator.get_state())
     rng = _GeneratorWatch(log)
-    recorder = _OpRecorder(log, rng)
-    calls = _PythonCalls(log, recorder, rng)
 
     def registered(table: str) -> Any:
         def hook(parent: nn.Module, name: str, value: Any) -> None:
@@ -307,7 +307,7 @@ def record_construction() -> Iterator[ConstructionLog]:
         register_module_buffer_registration_hook(registered("_buffers")),
     ]
     try:
-        with recorder, calls:
+        with _recording_ops(log, rng):
             yield log
     finally:
         for handle in handles:
@@ -315,6 +315,36 @@ def record_construction() -> Iterator[ConstructionLog]:
     rng.check()
     log.rng_end = torch.default_generator.get_state()
     _note_held(log)
+
+
+@contextmanager
+def _recording_ops(log: ConstructionLog, rng: _GeneratorWatch) -> Iterator[None]:
+    """Record into ``log`` the ops, the whole calls and the data factories run inside."""
+    recorder = _OpRecorder(log, rng)
+    with recorder, _PythonCalls(log, recorder, rng), _DataFactories(log, recorder, rng):
+        yield
+
+
+@contextmanager
+def written_storages() -> Iterator[set[int]]:
+    """The storages of the meta tensors that the code run inside writes in place (filled in on exit), recorded as a
+    construction is, without a log on any module: what an initialisation would set, found on the meta device, where
+    it draws nothing.
+
+    Example:
+        >>> weight = torch.empty(2, device="meta")
+        >>> with written_storages() as written:
+        ...     _ = nn.init.ones_(weight)
+        >>> written == {storage_key(weight)}
+        True
+    """
+    log = ConstructionLog(rng_start=torch.default_generator.get_state())
+    written: set[int] = set()
+    try:
+        with _recording_ops(log, _GeneratorWatch(log)):
+            yield written
+    finally:
+        written.update(ref.storage for op in log.ops for ref in op.writes)
 
 
 def _note_held(log: ConstructionLog) -> None:
@@ -530,6 +560,32 @@ class Scratch:
     """A real tensor a real draw wrote: replayed into a fresh tensor of its layout (the values are never used)."""
 
     layout: TensorRef
+
+
+class _DataFactories(TorchFunctionMode):
+    """``torch.tensor(data)`` and its kin copy Python or NumPy data to the meta device below the dispatcher, where no
+    op is seen: each call that returns a meta tensor is recorded as one op, replayed by calling it again with a copy of
+    the data as it was (``nn.Parameter(torch.tensor(2.6592))``, CLIP's ``logit_scale``)."""
+
+    FUNCTIONS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+
+    def __init__(self, log: ConstructionLog, recorder: _OpRecorder, rng: _GeneratorWatch) -> None:
+        super().__init__()
+        self.log, self.recorder, self.rng = log, recorder, rng
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in self.FUNCTIONS or self.recorder.suspended:
+            return func(*args, **kwargs)
+        self.rng.check()
+        data = _recorded_args(copy.deepcopy(args))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_meta:
+            self.log.storages.setdefault(storage_key(out), out.untyped_storage())
+            ref = TensorRef.of(out)
+            op = _new_op(func, data, _recorded_args(kwargs), [ref], (), (), (), frozenset({ref.storage}), False, False)
+            self.log.ops.append(op)
+        return out
 
 
 class _PythonCalls:

@@ -50,6 +50,7 @@ from lightning_shard.construction import (
     record_construction,
 )
 from lightning_shard.replay import (
+    Overwrite,
     Replay,
     callers_random_state_kept,
     needed_ops,
@@ -57,8 +58,26 @@ from lightning_shard.replay import (
     strided,
     write_shards,
 )
-from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, visible_name
+from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
 from lightning_shard.unset import fill_unset, holds_unset, uninitialized_memory_filled
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(eq=False)
+class LibraryStep:
+    """One initialisation a library runs on its model.
+
+    Attributes:
+        position: where an eager build ran it, in the construction log (``math.inf``: not built under a recording).
+        run: the initialisation, on every rank, given the materialiser's :class:`FullSizeParameters`.
+        sets: the tensors it sets whole (:data:`~lightning_shard.construction.HolderKey`\\ s); the model's other
+            tensors keep what their construction gave them.
+    """
+
+    position: float
+    run: Callable[[FullSizeParameters], None]
+    sets: set[HolderKey]
 
 
 @dataclass(eq=False)
@@ -67,19 +86,19 @@ class LibraryModel:
 
     Attributes:
         module: the model (its place in ``modules()`` orders it when it was not built under a recording).
-        tensors: the tensors the library sets (:data:`~lightning_shard.construction.HolderKey`\\ s).
+        tensors: the model's tensors (:data:`~lightning_shard.construction.HolderKey`\\ s): held outside it, they are
+            refused.
         constructions: ids of the modules whose constructors' random draws are the library's to account for.
         replays_draws: whether those draws advance the stream, as in an eager build (not for a model whose weights are
             loaded from files: ``from_pretrained`` builds without drawing).
-        steps: ``(position in the construction log, action)``: what the library runs and where an eager build ran it
-            (``math.inf``: not built under a recording).
+        steps: what the library runs, where, and what it sets.
     """
 
     module: nn.Module
     tensors: set[HolderKey]
     constructions: set[int]
     replays_draws: bool
-    steps: list[tuple[float, Callable[[FullSizeParameters], None]]] = field(default_factory=list)
+    steps: list[LibraryStep] = field(default_factory=list)
 
 
 class Library(Protocol):
@@ -255,54 +274,65 @@ class _InitPlan:
     is allocated, so that a model that cannot be initialised fails before it takes memory."""
 
     def __init__(self, root: nn.Module, logs: list[ConstructionLog], libraries: list[LibraryModel]) -> None:
-        self.libraries = libraries
         self.modules = {id(m): m for m in root.modules()}
         self.order = {id(m): index for index, m in enumerate(root.modules())}
         self.names = {id(m): name for name, m in root.named_modules()}
-        self.ops = sorted((op for log in logs for op in log.ops), key=lambda op: op.seq)
         self.held = {key: ref for log in logs for key, ref in log.held.items()}
-        library_tensors = {key for library in libraries for key in library.tensors}
+        self.swap = FullSizeParameters()
         library_of = {mid: library for library in libraries for mid in library.constructions}
+        recorded = [op for log in logs for op in log.ops]
         self.library_op = {
             op.seq: library
-            for op in self.ops
+            for op in recorded
             if (library := next((library_of[id(m)] for m in op.constructing if id(m) in library_of), None))
         }
-        replayed_ops = [op for op in self.ops if op.seq not in self.library_op]
-        produced = {storage for op in replayed_ops for storage in op.written_storages}
-        library_storages = {self.held[key].storage for key in library_tensors & self.held.keys()}
+        # A library's tensor holds its value at the library's init in the storage it was registered with too, which a
+        # later `.data` swap replaced (peft's PiSSA computes the adapters from it, then replaces the base weight).
+        registered = {
+            (id(r.parent), r.table, r.name): r.ref for log in logs for r in log.registrations if r.ref is not None
+        }
+        # storage -> (a tensor holding its value, its view there): what is read from the live tensors
+        holder: dict[int, tuple[HolderKey, TensorRef]] = {}
+        inits = [
+            self._library_init(library, step, registered, holder) for library in libraries for step in library.steps
+        ]
+        self.ops: list[Op | Overwrite] = sorted([*recorded, *inits], key=lambda op: op.seq)
+        produced = {storage for op in self.ops for storage in op.written_storages}
         self._refuse_drawn_real(logs)
-        # every meta tensor outside the libraries' models: replayed, or its module's reset_parameters()
         meta = [(module, key, t) for module in self.modules.values() for key, t in _holders(module) if t.is_meta]
+        library_tensors = {key for library in libraries for key in library.tensors}
+        library_storages = {self.held[key].storage for key in library_tensors & self.held.keys()}
         self._refuse_library_tensors_held_elsewhere(meta, library_tensors, library_storages)
+        # every meta tensor: replayed (up to a library's init that sets it), or its module's reset_parameters()
         self.keys_by_storage: dict[int, list[HolderKey]] = {}
         unlogged: dict[int, list[HolderKey]] = {}
         for module, key, _ in meta:
-            if key in library_tensors:
-                continue
             if key in self.held and self.held[key].storage in produced:
                 self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
             else:
                 unlogged.setdefault(id(module), []).append(key)
         self.fallback = self._fallback_modules(unlogged)
-        # A library's tensors changed after the library initialised them (a user's `zeros_` on a new head) are replayed
-        # over the library's values.
-        for key in library_tensors & self.held.keys():
-            if self.held[key].storage in produced:
-                self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
-        self.needed, before = needed_ops(replayed_ops, set(self.keys_by_storage), self._draws)
-        # storages whose values come from outside the replay, read from a tensor holding them
-        # A library's tensor also holds its value at the library's init in the storage it was registered with, which
-        # a later `.data` swap replaced (peft's PiSSA computes the adapters from it, then replaces the base weight).
-        registered = {
-            (id(r.parent), r.table, r.name): r.ref for log in logs for r in log.registrations if r.ref is not None
-        }
-        holder = {registered[key].storage: (key, registered[key]) for key in library_tensors & registered.keys()}
-        for key in [*library_tensors, *itertools.chain(*unlogged.values())]:
+        for key in itertools.chain(*unlogged.values()):
             if key in self.held:
-                holder[self.held[key].storage] = (key, self.held[key])
-        self.external = {storage: holder[storage] for storage in before & holder.keys()}
-        self._refuse_unknown_sources(replayed_ops, before - holder.keys())
+                holder.setdefault(self.held[key].storage, (key, self.held[key]))
+        self.needed, before = needed_ops(self.ops, set(self.keys_by_storage), self._draws)
+        self.external = holder
+        self._refuse_unknown_sources(before - holder.keys())
+
+    def _library_init(
+        self,
+        library: LibraryModel,
+        step: LibraryStep,
+        registered: dict[HolderKey, TensorRef],
+        holder: dict[int, tuple[HolderKey, TensorRef]],
+    ) -> Overwrite:
+        """``step`` as an op that sets whole the storages its tensors were registered with and are held in."""
+        refs = [(key, ref) for key in step.sets for ref in (registered.get(key), self.held.get(key)) if ref is not None]
+        for key, ref in refs:
+            holder[ref.storage] = (key, ref)
+        storages = frozenset(ref.storage for _, ref in refs)
+        order = (step.position, self.order.get(id(library.module), 0), len(library.steps))
+        return Overwrite(step.position, storages, partial(step.run, self.swap), order)
 
     def _fallback_modules(self, unlogged: dict[int, list[HolderKey]]) -> list[nn.Module]:
         """Modules holding meta tensors that no recording saw being built: their ``reset_parameters()``."""
@@ -326,13 +356,13 @@ class _InitPlan:
                 "eager build. Create them without `device=` (on the meta device, as the rest of the model)."
             )
 
-    def _refuse_unknown_sources(self, ops: list[Op], unknown: set[int]) -> None:
-        """Tensors computed from meta tensors that no recording produced and no module holds: nothing knows their
+    def _refuse_unknown_sources(self, unknown: set[int]) -> None:
+        """Tensors computed from meta tensors that nothing recorded produced and no module holds: nothing knows their
         values."""
         if not unknown:
             return
         tainted = set(unknown)
-        for op in ops:
+        for op in self.ops:
             if op.seq in self.needed and op.read_storages & tainted:
                 tainted |= op.written_storages
         names = [self._name(key) for s, keys in self.keys_by_storage.items() if s in tainted for key in keys]
@@ -372,45 +402,46 @@ class _InitPlan:
         return _joined(self.names.get(key[0], ""), key[2])
 
     def run(self, rng: list[tuple[float, Callable[[], None]]]) -> None:
-        swap = FullSizeParameters()
         replay = Replay(
             self.ops,
             self.needed,
-            write_back={s: partial(self._write_back, s, swap) for s in self.keys_by_storage},
+            write_back={s: partial(self._write_back, s) for s in self.keys_by_storage},
             external={s: partial(self._read_external, *holding) for s, holding in self.external.items()},
             draws=self._draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
         )
-        items: list[tuple[float, int, int, Any]] = [(op.seq, 0, op.seq, op) for op in self.ops]
-        items += [(position, -1, index, action) for index, (position, action) in enumerate(rng)]
-        for library in self.libraries:
-            for index, (position, step) in enumerate(library.steps):
-                items.append((position, self.order.get(id(library.module), 0), index, partial(step, swap)))
-        items += [(-math.inf, self.order[id(module)], 0, module) for module in self.fallback]
-        for _, _, _, item in sorted(items, key=lambda entry: entry[:3]):
-            if isinstance(item, Op):
+        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops]
+        items += [((position, -1, index), action) for index, (position, action) in enumerate(rng)]
+        items += [((-math.inf, self.order[id(module)], 0), module) for module in self.fallback]
+        for _, item in sorted(items, key=lambda entry: entry[0]):
+            if isinstance(item, (Op, Overwrite)):
                 replay.run(item)
             elif isinstance(item, nn.Module):
-                swap.swap_in(item)
+                self.swap.swap_in(item)
                 item.reset_parameters()  # type: ignore[operator]
-                swap.mark_initialized(item)
-                swap.write_back(item)
+                self.swap.mark_initialized(item)
+                self.swap.write_back(item)
             else:
                 item()
 
-    def _write_back(self, storage: int, swap: FullSizeParameters, buffer: torch.Tensor) -> None:
+    def _write_back(self, storage: int, buffer: torch.Tensor) -> None:
         written: set[int] = set()
         for key in self.keys_by_storage[storage]:
             live = held_tensor(self.modules, key)
             if id(live) not in written:
                 written.add(id(live))
                 write_shards(strided(buffer, self.held[key]), live)
-                swap.initialized(live)
+                self.swap.initialized(live)
 
     def _read_external(self, key: HolderKey, ref: TensorRef, buffer: torch.Tensor) -> None:
         live = held_tensor(self.modules, key)
         full = live.full_tensor() if isinstance(live, DTensor) else live
         strided(buffer, ref).copy_(full.to(ref.dtype))
+
+
+def _order(op: Op | Overwrite) -> tuple[float, ...]:
+    """Where an op runs: program order; library inits at the same place by their models' order."""
+    return op.order if isinstance(op, Overwrite) else (op.seq, 0, 0)
 
 
 def _class_name(module: nn.Module) -> str:
@@ -426,6 +457,7 @@ class FullSizeParameters:
 
     Args:
         keep: parameters to leave in place, not swapped (those already loaded from pretrained files).
+        device: where the full-size stand-ins live (``meta``: to find what an init writes, drawing nothing).
         refuse_unset: what should have written every element (e.g. "its model's initialisation (Hugging Face
             `_init_weights`)"): :meth:`write_back` then raises, naming the parameter and this, if an init left a
             sentinel. ``None``: the sentinel is written back, for the check after materialisation.
@@ -436,16 +468,25 @@ class FullSizeParameters:
         >>> swap.swap_in(layer); layer.reset_parameters(); swap.mark_initialized(layer); swap.write_back(layer)
     """
 
-    def __init__(self, keep: Callable[[nn.Parameter], bool] = lambda p: False, refuse_unset: str | None = None) -> None:
+    def __init__(
+        self,
+        keep: Callable[[nn.Parameter], bool] = lambda p: False,
+        refuse_unset: str | None = None,
+        device: torch.device = _CPU,
+    ) -> None:
         self.keep = keep
         self.refuse_unset = refuse_unset
+        self.device = device
+        # on the meta device: the storage of each full-size stand-in -> the parameter it stands in for (the stand-ins
+        # kept, so that no later one takes a storage's address)
+        self.stand_ins: dict[int, tuple[HolderKey, torch.Tensor]] = {}
         self._initialized: set[int] = set()
         # module id -> {name: (the module's own parameter, whether its full-size stand-in is scratch)}
         self._pending: dict[int, dict[str, tuple[nn.Parameter, bool]]] = {}
 
     def with_policy(self, keep: Callable[[nn.Parameter], bool], refuse_unset: str | None) -> FullSizeParameters:
         """The same record of initialised parameters under another ``keep`` / ``refuse_unset`` policy."""
-        other = FullSizeParameters(keep, refuse_unset)
+        other = FullSizeParameters(keep, refuse_unset, self.device)
         other._initialized = self._initialized
         return other
 
@@ -461,8 +502,12 @@ class FullSizeParameters:
             scratch = id(param) in self._initialized or param.is_meta
             if not (isinstance(param, DTensor) or scratch) or self.keep(param):
                 continue
-            full = fill_unset(torch.empty(param.shape, dtype=param.dtype))
+            full = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+            if not full.is_meta:
+                fill_unset(full)
             module.register_parameter(name, nn.Parameter(full, requires_grad=param.requires_grad))
+            if full.is_meta:
+                self.stand_ins[storage_key(full)] = ((id(module), "_parameters", name), full)
             swapped[name] = (param, scratch)
         self._pending[id(module)] = swapped
 
@@ -482,7 +527,7 @@ class FullSizeParameters:
             with torch.no_grad():
                 for name, (param, scratch) in swapped.items():
                     full = getattr(module, name)
-                    if scratch or not isinstance(param, DTensor):
+                    if scratch or not isinstance(param, DTensor) or full.is_meta:
                         continue
                     if self.refuse_unset is not None and holds_unset(full):
                         raise RuntimeError(

@@ -66,10 +66,9 @@ def parallelize_module(
         ...                    device=torch.device("cpu"))  # doctest: +SKIP
     """
     meta = has_meta_tensors(model)
-    if not meta:
-        # An eagerly built model exists on every rank; make the replicas identical before each keeps its shard,
-        # as DDP does when it wraps a model.
-        _broadcast_from_rank_zero(model, device)
+    # What was built for real exists on every rank (the whole model, or a head beside a body built on the meta device);
+    # make the replicas identical before each keeps its shard, as DDP does when it wraps a model.
+    _broadcast_from_rank_zero(model, device)
     units = _planned_units(model, config.auto_wrap_policy, "auto_wrap_policy")
     checkpointed = _planned_units(model, config.activation_checkpointing, "activation_checkpointing")
     wrappers = _apply_activation_checkpointing(model, checkpointed)
@@ -177,6 +176,8 @@ def _broadcast_from_rank_zero(model: nn.Module, device: torch.device) -> None:
         return
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_meta:
+                continue  # materialised later from rank 0's random stream
             # nccl broadcasts device tensors only; copy through `device` one tensor at a time.
             staged = tensor.detach().to(device)
             dist.broadcast(staged, src=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +43,40 @@ def strided(buffer: torch.Tensor, ref: TensorRef) -> torch.Tensor:
     return buffer.view(ref.dtype).as_strided(ref.size, ref.stride, ref.offset)
 
 
-def needed_ops(ops: list[Op], targets: set[int], draws: Callable[[Op], bool]) -> tuple[set[int], set[int]]:
+@dataclass(eq=False)
+class Overwrite:
+    """An initialisation the replay does not run op by op (a library's init of its model, transformers'
+    ``_init_weights``): at ``seq`` its ``action`` sets the ``overwritten`` storages whole, in the live tensors; ops
+    after it read them from there.
+
+    Example:
+        >>> Overwrite(3.5, frozenset({1}), lambda: None).written_storages
+        {1}
+    """
+
+    seq: float
+    overwritten: frozenset[int]
+    action: Callable[[], None]
+    order: tuple[float, ...] = ()  # where it runs among ops at the same ``seq`` (the caller's ordering)
+    random = False
+
+    @property
+    def written_storages(self) -> set[int]:
+        return set(self.overwritten)
+
+    @property
+    def read_storages(self) -> set[int]:
+        return set()
+
+    input_storages = read_storages
+
+    def refs(self) -> Iterator[TensorRef]:
+        return iter(())
+
+
+def needed_ops(
+    ops: list[Op | Overwrite], targets: set[int], draws: Callable[[Op], bool]
+) -> tuple[set[float], set[int]]:
     """The ops (by ``seq``) the final values of the ``targets`` storages depend on, found backwards from the end: an
     op is needed when it writes a storage whose value is read later; a storage it sets whole is not needed before it,
     one it reads is. A random op that ``draws`` still needs its inputs (a draw's count can depend on them:
@@ -54,7 +88,7 @@ def needed_ops(ops: list[Op], targets: set[int], draws: Callable[[Op], bool]) ->
         (set(), {1})
     """
     live = set(targets)
-    needed: set[int] = set()
+    needed: set[float] = set()
     for op in reversed(ops):
         if op.written_storages & live:
             needed.add(op.seq)
@@ -69,7 +103,7 @@ class Replay:
     """Runs the needed ops on full-size CPU buffers and writes the finished storages back (module docstring).
 
     Args:
-        ops: every recorded op that the replay runs or draws for, in program order.
+        ops: every recorded op that the replay runs or draws for, and the library inits, in program order.
         needed: ``seq`` of the ops whose results are kept (:func:`needed_ops`).
         write_back: ``storage -> action`` storing a finished storage's full-size buffer into the live tensors
             (called for the storages that needed ops wrote).
@@ -83,8 +117,8 @@ class Replay:
 
     def __init__(
         self,
-        ops: list[Op],
-        needed: set[int],
+        ops: list[Op | Overwrite],
+        needed: set[float],
         write_back: dict[int, Callable[[torch.Tensor], None]],
         external: dict[int, Callable[[torch.Tensor], None]],
         draws: Callable[[Op], bool],
@@ -111,7 +145,13 @@ class Replay:
         for storage, seq in last.items():
             self.closes.setdefault(seq, []).append(storage)
 
-    def run(self, op: Op) -> None:
+    def run(self, op: Op | Overwrite) -> None:
+        if isinstance(op, Overwrite):
+            op.action()
+            for storage in op.overwritten:  # what the replay held for them is stale: read again from the live tensors
+                self.buffers.pop(storage, None)
+                self.written.discard(storage)
+            return
         if op.seq in self.needed:
             for storage in op.overwritten:
                 self._buffer(storage, fresh=True)

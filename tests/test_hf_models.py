@@ -29,10 +29,10 @@ from conftest import REPO, run_script
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from torch import nn
 from torch.distributed.fsdp import (
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip("transformers")
 from hf_run import PRETRAINED, gpt2_config, llama_config, write_checkpoints  # noqa: E402
@@ -354,7 +354,7 @@ def test_importing_the_package_does_not_import_transformers_models() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
-def test_parameter_that_transformers_init_does_not_cover_is_an_error(mesh) -> None:
+def test_tensors_transformers_init_does_not_set_keep_their_constructors_values(mesh) -> None:
     from transformers import PretrainedConfig, PreTrainedModel
 
     class Uncovered(PreTrainedModel):
@@ -363,21 +363,27 @@ def test_parameter_that_transformers_init_does_not_cover_is_an_error(mesh) -> No
         def __init__(self, config: PretrainedConfig) -> None:
             super().__init__(config)
             self.proj = nn.Linear(4, 4)
-            self.scale = nn.Parameter(torch.ones(4))  # set in __init__ only: `_init_weights` has no rule for it
+            self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4))  # `_init_weights` has no rule for it (CLIP's
+            self.register_buffer("offset", torch.tensor([0.25, 0.5]))  # `logit_scale`): its constructor's value
             self.post_init()
 
+    torch.manual_seed(0)
+    eager = Uncovered(PretrainedConfig()).state_dict()
+    torch.manual_seed(0)
     with meta_construction():
         model = Uncovered(PretrainedConfig())
-    with pytest.raises(RuntimeError, match=r"`Uncovered.scale` was left uninitialised"):
-        parallelize_module(
-            model,
-            mesh,
-            ShardingConfig(auto_wrap_policy=None),
-            mp_policy=MixedPrecisionPolicy(),
-            offload_policy=OffloadPolicy(),
-            device=torch.device("cpu"),
-        )
-    assert isinstance(model, FSDPModule)
+    parallelize_module(
+        model,
+        mesh,
+        ShardingConfig(auto_wrap_policy=None),
+        mp_policy=MixedPrecisionPolicy(),
+        offload_policy=OffloadPolicy(),
+        device=torch.device("cpu"),
+    )
+    built = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    assert built.keys() == eager.keys()
+    for key in eager:
+        assert torch.equal(built[key], eager[key]), key
 
 
 def test_the_slice_reader_reads_rows_by_file_reads_and_converts_dtypes(tmp_path: Path) -> None:

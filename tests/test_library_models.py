@@ -29,15 +29,6 @@ MODELS = list(CASES)
 CLIP_EXTRAS = ["clip_accumulate", "clip_hybrid", "clip_bf16", "clip_resume_sharded", "clip_resume_full"]
 # The meta-device builds that the initialisation rule does not reproduce yet (issue 27, items 1-9: the lead's rewrite
 # of construction.py / materialize.py); strict=False, so they pass as soon as it does.
-META_XFAIL = {
-    "clip": "item 3/6: the 0-d `logit_scale` made by `torch.tensor(...)` is left 0 and the vision tower's random "
-    "stream drifts from the eager build (no error)",
-    "siglip2": "item 3: `nn.Parameter(torch.tensor(...))` (`logit_scale`, `logit_bias`) is not a recorded factory, "
-    "so SigLip2Model is refused for want of `reset_parameters()`",
-    "dit": "item 9: `pos_embed` computed from a numpy sin-cos table is refused as computed from other tensors",
-    "mil": "items 3/4: `nn.MultiheadAttention` (parameters from `torch.empty`, `_reset_parameters()` only) is refused "
-    "for want of `reset_parameters()`",
-}
 # What "auto" shards as units in each model (class names, one entry per unit), and why.
 EXPECTED_UNITS = {
     # transformers' `_no_split_modules`: the layers of both towers and their embeddings
@@ -131,11 +122,7 @@ def test_replicated_parameters_round_trip_through_checkpoints(results: dict[str,
     assert torch.equal(*momentum)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=META_XFAIL[name])) if name in META_XFAIL
-     else name for name in MODELS],
-)  # fmt: skip
+@pytest.mark.parametrize("name", MODELS)
 def test_meta_device_build_equals_the_eager_build(results: dict[str, Path], name: str) -> None:
     # built in configure_model() on the meta device under the strategy on 2 ranks, against the eager build in one
     # process with the same seed, before the first step

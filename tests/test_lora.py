@@ -9,8 +9,8 @@ untouched by training; gradients and AdamW states for the LoRA tensors only (per
 KiB of AdamW states, for 177 KiB of frozen shards); small checkpoints (``save_frozen_pretrained_weights=False``:
 adapters, optimizer and loops, the files recorded) resumed to Lightning's own one-process resume (losses within
 4.8e-7), and refused when the files are missing or changed. Then what needs no processes: adapters computed from the
-base (PiSSA, OLoRA, DoRA) built equal to the eager build, a user's module holding a transformers model with its own adapters and inits built equal to the
-eager build, a tensor of the base held outside the model refused.
+base (PiSSA, OLoRA, DoRA) and a user's module holding a transformers model with its own adapters and inits, each built
+equal to the eager build; a tensor of the base held outside the model refused.
 """
 
 from __future__ import annotations

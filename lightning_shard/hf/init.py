@@ -34,11 +34,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_shard.construction import ABSENT, ConstructionLog, Registration
-from lightning_shard.hf.pretrained import explain_meta_from_pretrained, load_pretrained_shards, planned_load
-from lightning_shard.materialize import FullSizeParameters, LibraryModel, register_library
-from lightning_shard.torch_compat import holds_values
+from lightning_shard.construction import ABSENT, ConstructionLog, HolderKey, Registration, written_storages
+from lightning_shard.hf.pretrained import (
+    explain_meta_from_pretrained,
+    load_pretrained_shards,
+    planned_load,
+    planned_names,
+)
+from lightning_shard.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
+from lightning_shard.torch_compat import storage_key
 
 
 def pretrained_model_class() -> type | None:
@@ -144,16 +150,18 @@ class TransformersLibrary:
 
 class _TransformersModel:
     """One outermost ``PreTrainedModel`` as built: its tensors, and the steps that initialise it where an eager build
-    did (each nested model where its constructor ended; a pretrained one loaded and initialised in one step)."""
+    did (each nested model where its constructor ended; a pretrained one loaded and initialised in one step), each
+    with the tensors it sets. A tensor transformers' init has no rule for (CLIP's ``logit_scale``, set by its
+    constructor only) keeps what its construction gave it, as in an eager build."""
 
     def __init__(self, model: nn.Module, logs: list[ConstructionLog], ends: dict[int, float]) -> None:
         self.model = model
         self.as_built = AsBuilt(model, logs)
         with self.as_built:
             members = list(model.modules())
-            self.tensors = {
-                (id(m), table, name)
-                for m in members
+            self.keys = {
+                f"{prefix}.{name}".lstrip("."): (id(m), table, name)
+                for prefix, m in model.named_modules(remove_duplicate=False)
                 for table in ("_parameters", "_buffers")
                 for name, t in m.__dict__[table].items()
                 if t is not None
@@ -164,15 +172,43 @@ class _TransformersModel:
         self.inits = sorted(nested, key=lambda m: (ends.get(id(m), math.inf), m is model))
         self.positions = [ends.get(id(m), math.inf) for m in self.inits]
         self.hf_swap: FullSizeParameters | None = None
-        self.buffers: list[tuple[str, torch.Tensor]] = []
+        self.sets: set[HolderKey] = set()
 
     def library_model(self) -> LibraryModel:
         if self.planned or math.inf in self.positions:
-            steps = [(self.positions[-1], self._all_steps)]
+            indices = list(range(len(self.inits)))
+            steps = [LibraryStep(self.positions[-1], self._all_steps, self._set_by(indices) | self._loaded())]
         else:
-            steps = [(p, self._step(i)) for i, p in enumerate(self.positions)]
+            steps = [LibraryStep(p, self._step(i), self._set_by([i])) for i, p in enumerate(self.positions)]
+        self.sets = {key for step in steps for key in step.sets}
         constructions = {id(m) for m in self.inits}
-        return LibraryModel(self.model, self.tensors, constructions, replays_draws=not self.planned, steps=steps)
+        tensors = set(self.keys.values())
+        return LibraryModel(self.model, tensors, constructions, replays_draws=not self.planned, steps=steps)
+
+    def _set_by(self, indices: list[int]) -> set[HolderKey]:
+        """The tensors transformers' init of ``self.inits[i]`` (``i`` in ``indices``) writes: the init run on meta
+        stand-ins under a write recorder (it draws nothing there), transformers' ``_is_hf_initialized`` flags put
+        back after."""
+        swap = FullSizeParameters(device=torch.device("meta"))
+        flags = _initialized_flags(self.model)
+        try:
+            with self.as_built, _guard_torch_init_functions(), written_storages() as written:
+                for index in indices:
+                    _initialize_like_transformers(self.inits[index], swap)
+        finally:
+            _restore_flags(flags)
+        with self.as_built:
+            modules = {id(m): m for m in self.model.modules()}
+            storages = {
+                storage_key(tensor): key
+                for key in self.keys.values()
+                if (tensor := modules[key[0]].__dict__[key[1]][key[2]]).is_meta and not isinstance(tensor, DTensor)
+            }
+        storages.update({storage: key for storage, (key, _) in swap.stand_ins.items()})
+        return {storages[s] for s in written if s in storages}
+
+    def _loaded(self) -> set[HolderKey]:
+        return {self.keys[name] for name in planned_names(self.model) if name in self.keys}
 
     def _all_steps(self, swap: FullSizeParameters) -> None:
         for index in range(len(self.inits)):
@@ -185,30 +221,32 @@ class _TransformersModel:
                     self._prepare(swap)
                 assert self.hf_swap is not None
                 _initialize_like_transformers(self.inits[index], self.hf_swap)
-                if index == len(self.inits) - 1:
-                    self._check_buffers()
 
         return step
 
     def _prepare(self, swap: FullSizeParameters) -> None:
-        """NaN in the floating buffers (to catch one transformers' init does not compute), then the files."""
-        self.buffers = [(name, b) for name, b in self.model.named_buffers() if b.is_floating_point()]
-        for _, buffer in self.buffers:
-            buffer.fill_(float("nan"))
+        """Load the files, then initialise the parameters the init sets (the others keep their constructors' values)."""
         load_pretrained_shards(self.model)
+        modules = {id(m): m for m in self.model.modules()}
+        set_here = {id(modules[mid].__dict__[table][name]) for mid, table, name in self.sets if mid in modules}
         self.hf_swap = swap.with_policy(
-            keep=lambda p: getattr(p, "_is_hf_initialized", False),
+            keep=lambda p: getattr(p, "_is_hf_initialized", False) or id(p) not in set_here,
             refuse_unset="its model's initialisation (Hugging Face `_init_weights`)",
         )
 
-    def _check_buffers(self) -> None:
-        # a fake buffer (the memory simulation's) has no values to check
-        unset = [name for name, buffer in self.buffers if holds_values(buffer) and bool(buffer.isnan().any())]
-        if unset:
-            raise RuntimeError(
-                f"{type(self.model).__name__} was built on the meta device, but its `_init_weights` does not compute "
-                f"these buffers: {unset}. Build the model in `__init__` instead of `configure_model()`."
-            )
+
+def _initialized_flags(model: nn.Module) -> dict[int, tuple[Any, Any]]:
+    """transformers' ``_is_hf_initialized`` flag of every module and parameter (absent: ``ABSENT``), to restore."""
+    holders = [*model.modules(), *model.parameters()]
+    return {id(h): (h, getattr(h, "_is_hf_initialized", ABSENT)) for h in holders}
+
+
+def _restore_flags(flags: dict[int, tuple[Any, Any]]) -> None:
+    for holder, flag in flags.values():
+        if flag is ABSENT:
+            holder.__dict__.pop("_is_hf_initialized", None)
+        else:
+            holder._is_hf_initialized = flag
 
 
 def _initialize_like_transformers(model: nn.Module, swap: FullSizeParameters) -> None:

@@ -117,6 +117,17 @@ def planned_load(model: nn.Module) -> bool:
     return _PRETRAINED in model.__dict__
 
 
+def planned_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s tensors (as :func:`from_pretrained` built it) that its planned load fills.
+
+    Example:
+        >>> planned_names(nn.Linear(2, 2))
+        set()
+    """
+    plan: LoadPlan | None = model.__dict__.get(_PRETRAINED)
+    return set() if plan is None else {*plan.renamed.values(), *plan.outputs}
+
+
 def load_pretrained_shards(model: nn.Module) -> bool:
     """Load the files planned by :func:`from_pretrained` into ``model``'s shards; ``False`` if none were planned.
 
