@@ -80,8 +80,10 @@ def holds_unset(tensor: torch.Tensor) -> bool:
     """
     if tensor.is_meta or not holds_values(tensor) or tensor.numel() == 0:
         return False
+    # One pass that allocates nothing: the largest value, or a sum, which is NaN wherever a NaN is (and, rarely,
+    # where +inf meets -inf: then the exact test decides).
     if tensor.dtype == torch.bool:
-        return bool((tensor.view(torch.uint8) == 0xFF).any())
+        return int(tensor.view(torch.uint8).max()) == 0xFF
     if tensor.is_floating_point() or tensor.is_complex():
-        return bool(tensor.isnan().any())
-    return bool((tensor == torch.iinfo(tensor.dtype).max).any())
+        return bool(tensor.sum().isnan()) and bool(tensor.isnan().any())
+    return int(tensor.max()) == torch.iinfo(tensor.dtype).max
