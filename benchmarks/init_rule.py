@@ -8,10 +8,10 @@ survives (sentinel fill at allocation, scan after the replay).
   ``fully_shard`` per Block + root for a world of 8 and materialised on fake tensors, as
   ``lightning-shard estimate --mode simulate`` does (one process, a fake process group; no weight allocated, so the
   sentinel check has nothing to scan there).
-* 175M Llama: a transformers Llama (175M parameters, fp32) built on the meta device in one process (gloo, world 1) and
-  materialised for real: from its config (transformers' init, replayed) and from pretrained files written once with
-  ``save_pretrained`` (``lightning_shard.hf.from_pretrained``: each tensor read from the files). The sentinel's share
-  is the time spent filling the allocated tensors with it plus the scan after the replay.
+* 134M Llama: the transformers Llama of ``hf_loading.py`` (fp32) built on the meta device in one process (gloo,
+  world 1) and materialised for real: from its config (transformers' init, replayed) and from pretrained files
+  written once with ``save_pretrained`` (``lightning_shard.hf.from_pretrained``: each tensor read from the files).
+  The sentinel's share is the time spent filling the allocated tensors with it plus the scan after the replay.
 """
 
 from __future__ import annotations
@@ -38,23 +38,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 import lightning_shard.hf  # noqa: E402
 import lightning_shard.materialize as materialize  # noqa: E402
 from benchmarks.common import REPO, RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
 from lightning_shard.config import ShardingConfig  # noqa: E402
 from lightning_shard.construction import construction_logs  # noqa: E402
 from lightning_shard.parallelize import parallelize_module  # noqa: E402
 from lightning_shard.torch_compat import memory_simulation_tools  # noqa: E402
-
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=896,
-    intermediate_size=2432,
-    num_hidden_layers=12,
-    num_attention_heads=14,
-    num_key_value_heads=14,
-    max_position_embeddings=512,
-    dtype="float32",
-)
 
 
 class Timer:
@@ -168,7 +157,7 @@ def main() -> None:
     report = {
         "title": "The initialisation rule's cost",
         "question": "What do recording, replaying and the unwritten-tensor check cost on the 13B simulation and a "
-        "175M pretrained load?",
+        "pretrained load?",
         "columns": [
             "model",
             "build on meta (s)",
