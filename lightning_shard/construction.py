@@ -364,6 +364,16 @@ def _note_held(log: ConstructionLog) -> None:
                     log.drawn_real_held.append((id(module), table, name))
 
 
+def state_bytes(state: torch.Tensor | None) -> bytes:
+    """A generator state's bytes, compared without a tensor op (none may run under the memory simulation's fake mode).
+
+    Example:
+        >>> state_bytes(torch.get_rng_state()) == state_bytes(torch.get_rng_state())
+        True
+    """
+    return b"" if state is None else state.numpy().tobytes()
+
+
 def construction_logs(root: nn.Module) -> list[ConstructionLog]:
     """The logs recorded while ``root``'s modules were built (usually one; none if built outside a recording).
 
@@ -392,19 +402,19 @@ class _GeneratorWatch:
 
     def __init__(self, log: ConstructionLog) -> None:
         self.log = log
-        self.last = log.rng_start
+        self.last = state_bytes(log.rng_start)
         self.saved: dict[int, tuple[int, torch.Tensor]] = {}  # id(state tensor) -> (slot, the tensor, kept alive)
 
     def check(self) -> None:
         # The generator's own method: a call of `torch.get_rng_state` would be seen by the profile hook.
         state = torch.default_generator.get_state()
-        if not torch.equal(state, self.last):
+        if state_bytes(state) != self.last:
             self.log.rng_events.append(RngEvent(next(_SEQUENCE), "set", state))
-            self.last = state
+            self.last = state_bytes(state)
 
     def explained(self) -> None:
         """The state changed through something already recorded (a real draw, a restored slot)."""
-        self.last = torch.default_generator.get_state()
+        self.last = state_bytes(torch.default_generator.get_state())
 
     def saved_state(self, state: torch.Tensor) -> None:
         slot = len(self.saved)

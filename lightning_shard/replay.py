@@ -26,7 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.construction import ConstructionLog, Op, RealValue, RngEvent, Scratch, TensorRef
+from lightning_shard.construction import ConstructionLog, Op, RealValue, RngEvent, Scratch, TensorRef, state_bytes
 from lightning_shard.torch_compat import tree_leaves, tree_map
 from lightning_shard.unset import empty_bytes
 
@@ -248,7 +248,7 @@ def rng_timeline(logs: list[ConstructionLog]) -> list[tuple[float, Callable[[], 
     ends, sets = states[len(starts) : len(starts) + len(logs)], iter(states[len(starts) + len(logs) :])
     slots: dict[int, torch.Tensor] = {}
     for index, log in enumerate(logs):
-        if index and not torch.equal(states[index], ends[index - 1]):
+        if index and state_bytes(states[index]) != state_bytes(ends[index - 1]):
             timeline.append((_first_seq(log) - 0.5, _set_state(states[index])))
         for event in log.rng_events:
             timeline.append((event.seq, _event_action(event, next(sets) if event.action == "set" else None, slots)))
