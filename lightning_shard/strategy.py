@@ -23,7 +23,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -32,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
+from lightning_shard.checkpoint.model_checkpoint import link_when_published
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
@@ -41,7 +41,7 @@ from lightning_shard.hf.frozen_weights import (
     frozen_pretrained_weights,
     names_to_skip_on_resume,
 )
-from lightning_shard.launcher import ShardedMultiProcessingLauncher
+from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.settings import StrategySettings
@@ -180,7 +180,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         # As DDP: the popen launcher is built on every rank, also where torchrun or this launcher already created
         # the process, because its `launch` also sets each rank's torch threads to cores // ranks.
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ShardedScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -219,6 +219,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _evaluate_without_inference_mode(trainer)
+        link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io)
         if not isinstance(self.model, FSDPModule):
             self.model = self.precision_plugin.convert_module(self.model)
             self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)

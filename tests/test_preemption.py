@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.connectors.checkpoint_connector import _Checkpoin
 
 from lightning_shard import PREEMPTED_EXIT_CODE, PreemptionCheckpoint, is_sharded_checkpoint
 from lightning_shard.checkpoint import read_sharded_keys
-from lightning_shard.checkpoint.io import _STAGING_DIR, _staging_path
+from lightning_shard.checkpoint.publish import STAGING_DIR, staging_path
 from lightning_shard.preemption import StopVote, _requeue_slurm_job
 
 SCRIPT = "tests/preemption_run.py"
@@ -159,7 +159,7 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
     assert_equal_to_reference(stopped, reference, list(range(1, stop_step + 1)))
 
     # A later save to hpc_ckpt_2 killed half-way: its staging must not count as a checkpoint (nor as version 23291).
-    leftover = root / _STAGING_DIR / "hpc_ckpt_2.ckpt.tmp-3f2a9b1c"
+    leftover = root / STAGING_DIR / "hpc_ckpt_2.ckpt.tmp-3f2a9b1c"
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
     codes, output = job()  # the requeued job: the same command, as SLURM starts it again
@@ -183,7 +183,7 @@ def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint(tmp_path: 
     rc, output = run(command, env, tmp_path)
     assert rc == 0, output[-6000:]
     assert (
-        f"SIGKILL after writing shards into {tmp_path / 'ckpts' / _STAGING_DIR / 'epoch=0-step=8.ckpt.tmp-'}" in output
+        f"SIGKILL after writing shards into {tmp_path / 'ckpts' / STAGING_DIR / 'epoch=0-step=8.ckpt.tmp-'}" in output
     )
     assert f"exitcode: {PREEMPTED_EXIT_CODE}" in output  # attempt 1's stop, as torchrun reports it
     recorded = losses(tmp_path)
@@ -203,7 +203,7 @@ def test_staging_is_invisible_to_lightnings_checkpoint_scans(tmp_path: Path) -> 
     (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
     (tmp_path / "last.ckpt").mkdir()
     for name in ("hpc_ckpt_2.ckpt", "last.ckpt"):
-        staging = _staging_path(tmp_path / name)
+        staging = staging_path(tmp_path / name)
         staging.mkdir(parents=True)
         staging.with_name(f"{name}.old-3f2a9b1c").mkdir()
     trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)

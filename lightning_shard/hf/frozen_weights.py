@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.io import locate, read_sharded_keys
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.torch_compat import visible_name
 
@@ -182,7 +182,8 @@ def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
         >>> read_record("out/last.ckpt")["files"][0]["size"]  # doctest: +SKIP
         3219984
     """
-    if is_sharded_checkpoint(path):
+    path, is_directory = locate(path)  # rank 0 decides which collectives follow
+    if is_directory:
         metadata = integrity.agreed(lambda: integrity.read_metadata(path))
         assert metadata is not None
         if RECORD_KEY not in metadata.state_dict_metadata:
@@ -190,8 +191,6 @@ def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
         return read_sharded_keys(path, {RECORD_KEY})[RECORD_KEY]  # every rank: DCP's read is collective
 
     def read_full() -> dict[str, Any] | None:
-        if not Path(path).is_file():
-            return None  # the checkpoint IO names a missing checkpoint
         mmap = zipfile.is_zipfile(path)  # torch's legacy format cannot be mapped
         checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
         return checkpoint.get(RECORD_KEY) if isinstance(checkpoint, dict) else None
