@@ -44,6 +44,7 @@ from lightning_shard.hf.frozen_weights import (
 from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import ShardedPrecision
+from lightning_shard.preemption import add_strategy_preemption
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.wrap import WrapPolicy
@@ -79,6 +80,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             hash). Resuming reads the base from the files again (``configure_model()`` does) and refuses files that
             are missing or changed. See :mod:`lightning_shard.hf.frozen_weights`.
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
+        preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
+            strategy adds :class:`~lightning_shard.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and SLURM's
+            requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks agree on,
+            with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
+            ``False``: Lightning's own signal handling.
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
             through ``/dev/shm`` with reused buffers, and a periodic heap trim; see :mod:`lightning_shard.cpu`).
@@ -127,6 +133,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         state_dict_type: StateDictType | None = None,
         save_frozen_pretrained_weights: bool = True,
         async_save: bool = False,
+        preemption: bool = True,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
         gradient_accumulation: GradientAccumulation = "sharded",
@@ -196,6 +203,12 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self._set_world_ranks()
 
     # ------------------------------------------------------------------ model
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if self._preemption:  # before the callbacks' `setup`, which arms the handlers
+            add_strategy_preemption(model.trainer)
 
     @contextmanager
     @override
