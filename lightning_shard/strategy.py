@@ -76,9 +76,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         state_dict_type: ``"sharded"`` (default: a torch.distributed.checkpoint directory) or ``"full"`` (one file).
         save_frozen_pretrained_weights: ``False`` leaves out of checkpoints the frozen parameters read from pretrained
             files by ``lightning_shard.hf.from_pretrained`` (a LoRA run's base model): a checkpoint then holds the
-            trainable parameters, optimizer and loop states, and records the files (path, size, safetensors header
-            hash). Resuming reads the base from the files again (``configure_model()`` does) and refuses files that
-            are missing or changed. See :mod:`lightning_shard.hf.frozen_weights`.
+            trainable parameters, optimizer and loop states, and records the files (path, size, hashes of the
+            safetensors header and of sampled contents). Resuming reads the base from the files again
+            (``configure_model()`` does) and refuses files that are missing or changed, another fine-tune of the same
+            model included. See :mod:`lightning_shard.hf.frozen_weights`.
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
             strategy adds :class:`~lightning_shard.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and SLURM's
