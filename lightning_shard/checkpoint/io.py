@@ -111,7 +111,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save={async_save!r}` must be a bool.")
         self.async_save = async_save
-        self._in_flight: Future | None = None
+        self._in_flight: _BackgroundSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
 
@@ -584,15 +584,19 @@ class _BackgroundSave:
         """DCP's callback when this rank's part is written: rank 0 publishes (rank 0's write completes once every
         rank's shards and the metadata are on disk) and runs what waits for it; then one broadcast of rank 0's
         outcome, on every rank, so that no rank counts the save done before it is published."""
+        error: BaseException | None
         try:
             error = written.exception()
-            if rank() == 0:
-                error = error or self._publish_here()
+        except BaseException as cancelled:
+            error = cancelled
+        if rank() == 0:
+            error = error or self._publish_here()
+        try:  # every rank, whatever happened here: the others wait for this broadcast
             message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", self.group)
-            if error is None and message is not None:
-                error = RuntimeError(f"Rank 0 could not write or publish the checkpoint {self.path}: {message}")
         except BaseException as caught:  # handed to whoever waits
-            error = caught
+            error, message = error or caught, None
+        if error is None and message is not None:
+            error = RuntimeError(f"Rank 0 could not write or publish the checkpoint {self.path}: {message}")
         if error is None:
             self.published.set_result(None)
         else:

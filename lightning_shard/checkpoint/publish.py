@@ -130,7 +130,7 @@ def restore_interrupted(path: Path) -> bool:
     """
     if os.path.lexists(path):
         return False
-    for retired in sorted(_leftovers(path, ("old",)), key=lambda entry: entry.lstat().st_mtime, reverse=True):
+    for retired in sorted(_leftovers(path, ("old",)), key=_modified, reverse=True):
         # A rename onto a name that another process restored meanwhile fails: a directory over a directory with
         # entries, or over a file, is refused by the kernel; the source being gone means it was restored.
         with contextlib.suppress(OSError):
@@ -156,6 +156,13 @@ def restore_interrupted_in(directory: Path) -> list[Path]:
 def _leftovers(path: Path, kinds: tuple[str, ...]) -> list[Path]:
     staging = path.parent / STAGING_DIR
     return [entry for kind in kinds for entry in staging.glob(f"{glob.escape(path.name)}.{kind}-*")]
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:  # restored by another process meanwhile
+        return 0.0
 
 
 def _is_directory(path: Path) -> bool:
