@@ -180,8 +180,7 @@ class ShardedCheckpointIO(CheckpointIO):
             return
         dcp.save(payload, checkpoint_id=staging)
         barrier()
-        # Every rank returns once rank 0 has published (or raises what stopped it).
-        integrity.agreed(lambda: publish(staging, path), rank() == 0)
+        _by_rank_zero(lambda: publish(staging, path))
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
         if self._async_group is None and _distributed_is_initialized():
@@ -240,7 +239,7 @@ class ShardedCheckpointIO(CheckpointIO):
             torch.save(_recorded(checkpoint, layout), staging)
             publish(staging, path)
 
-        integrity.agreed(write, rank() == 0)  # every rank returns once it is published, or raises rank 0's error
+        _by_rank_zero(write)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -548,6 +547,23 @@ def locate(path: _PATH) -> tuple[Path, bool]:
 def _is_directory_here(path: Path) -> bool | None:
     restore_interrupted(path)
     return path.is_dir() if path.exists() else None
+
+
+def _by_rank_zero(action: Callable[[], None]) -> None:
+    """Run ``action`` (writing, publishing) on rank 0; every rank returns once it is done, or raises: rank 0 its own
+    error, the others a :class:`CheckpointIntegrityError` quoting it (none is left waiting at a barrier)."""
+    error = None
+    if rank() == 0:
+        try:
+            action()
+        except Exception as caught:
+            error = caught
+    try:
+        integrity.agree(error)
+    except integrity.CheckpointIntegrityError:
+        if error is not None:
+            raise error from None
+        raise
 
 
 def _check_target(path: Path) -> None:
