@@ -90,7 +90,7 @@ def main() -> None:
         f"data, in {len(ranges)} reads.",
         "What is read grows with the number of tensors, not with the file size: a file of a 100 GB checkpoint holds "
         "a few hundred to a few thousand tensors, so the check reads a few MiB of it (e.g. 1000 tensors: at most "
-        "8 MiB in 1000 reads), where a whole-file hash reads 100 GB.",
+        "8 MiB in at most 2000 reads), where a whole-file hash reads 100 GB.",
         "Warm: the file's pages in the page cache (a rank that has just loaded the weights). Cold: evicted first "
         "with posix_fadvise(DONTNEED) on this file; the figure then includes the disk's seeks.",
     ]
