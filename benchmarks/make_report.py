@@ -29,6 +29,7 @@ EXPECTED = {
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
     "hf_loading": "python benchmarks/hf_loading.py",
+    "pretrained_hash": "python benchmarks/pretrained_hash.py",
     "preemption": "python benchmarks/preemption.py",
     "gpu_check": "python benchmarks/gpu_check.py",
 }

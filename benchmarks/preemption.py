@@ -132,7 +132,7 @@ def _vote_worker(args: argparse.Namespace) -> None:
 
         def __init__(self) -> None:
             super().__init__()
-            self.vote = StopVote(lag=args.lag)
+            self.requests.vote = StopVote(lag=args.lag)
             self.records: list[dict[str, Any]] = []
 
         def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:

@@ -71,7 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             info = inspect(args.path)
             print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k:>16}: {v}" for k, v in info.items()))
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError, CheckpointIntegrityError) as error:
+    except (
+        FileNotFoundError,
+        FileExistsError,
+        IsADirectoryError,
+        ValueError,
+        ImportError,
+        CheckpointIntegrityError,
+    ) as error:
         print(f"lightning-shard {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

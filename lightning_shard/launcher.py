@@ -1,22 +1,48 @@
-"""Lightning's spawn/fork launcher, taught to hand sharded weights back to the main process."""
+"""Lightning's launchers for the sharded strategy: the spawn/fork one taught to hand sharded weights back to the main
+process, and both putting back interrupted checkpoints before Lightning looks for one to resume from."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
+
+from lightning_shard.checkpoint.model_checkpoint import restore_checkpoint_folders
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+class _RestoresCheckpointFolders:
+    """Before the run (and Lightning's search for the checkpoint to resume from, ``ckpt_path="last"`` or SLURM's
+    ``hpc``), every process puts back the checkpoints that a kill left moved aside (:func:`restore_checkpoint_folders`;
+    the renames are safe to race)."""
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            restore_checkpoint_folders(trainer)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class ShardedScriptLauncher(_RestoresCheckpointFolders, _SubprocessScriptLauncher):
+    """Lightning's ``popen`` launcher (it re-runs the script for the other local ranks; under torchrun or SLURM it
+    only starts the function), restoring interrupted checkpoints first.
+
+    Example:
+        >>> from lightning_shard import ShardedStrategy
+        >>> strategy = ShardedStrategy()  # uses this launcher
+    """
+
+
+class ShardedMultiProcessingLauncher(_RestoresCheckpointFolders, _MultiProcessingLauncher):
     """``start_method="spawn"`` / ``"fork"`` / ``"forkserver"`` for the sharded strategy.
 
     After ``fit`` the worker processes end and the main process's model receives rank 0's weights. The base class

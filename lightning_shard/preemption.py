@@ -11,6 +11,11 @@ all-reduce started without waiting and reads the result of the previous boundary
 learn of the request at the same step, one step after the first rank noted it. Then every rank writes one checkpoint
 of that step through the strategy's normal (atomic) save, waits for any background save still in flight, rank 0
 requeues the SLURM job if that was asked for, and the job ends with :data:`PREEMPTED_EXIT_CODE`.
+
+Without configuration: ``ShardedStrategy(preemption=True)`` (the default) adds a :class:`StrategyPreemptionCheckpoint`
+to a Trainer that has no :class:`PreemptionCheckpoint` of its own, and a Fabric loop gets the same by calling
+``preemption.step_end(path, state)`` inside ``with fabric.strategy.preemptible() as preemption``
+(:mod:`lightning_shard.fabric.preemption`); :class:`StopRequests` is what they share.
 """
 
 from __future__ import annotations
@@ -23,14 +28,16 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -116,6 +123,85 @@ class StopVote:
         return int(tensor[0]), int(tensor[1])
 
 
+class StopRequests:
+    """The stop requests the signal handlers note, and the vote by which all ranks agree on one at an optimizer-step
+    boundary: what :class:`PreemptionCheckpoint` (Trainer) and the Fabric strategy's ``preemptible()`` share.
+
+    Example:
+        >>> requests = StopRequests([signal.SIGTERM])
+        >>> requests.vote.open()
+        >>> requests.note(signal.SIGTERM, None)  # what the handler does
+        >>> requests.agreed(), requests.agreed()  # one step later, every rank sees it
+        (None, (<Signals.SIGTERM: 15>, False))
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+        self.signals = list(signals)
+        self.vote = StopVote()
+        self.requested: signal.Signals | None = None  # set by the handlers
+        self.requeue_signal: signal.Signals | None = None
+        self.requeue_requested = False
+        self._announced = False
+
+    def forget(self) -> None:
+        """Drop what was noted (a request noted in an earlier fit's last step, which needed no stop)."""
+        self.requested, self.requeue_requested, self._announced = None, False, False
+
+    def install(self, environment: ClusterEnvironment | None) -> dict[signal.Signals, Any]:
+        """Make :meth:`note` the handler of the signals, and of SLURM's requeue signal under ``auto_requeue``; the
+        handlers it replaced (call in the main thread)."""
+        handled = list(self.signals)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self.requeue_signal = environment.requeue_signal
+            handled.append(environment.requeue_signal)
+        return {signum: signal.signal(signum, self.note) for signum in set(handled)}
+
+    def note(self, signum: int, frame: FrameType | None) -> None:
+        """The handler: records the request and nothing else (no collective, no I/O, no lock)."""
+        received = signal.Signals(signum)
+        if received == signal.SIGINT and self.requested == signal.SIGINT:
+            signal.default_int_handler(signum, frame)  # Ctrl+C twice: stop now, without a checkpoint
+        self.requested = self.requested or received
+        self.requeue_requested = self.requeue_requested or received == self.requeue_signal
+
+    def agreed(self, rank: int = 0) -> tuple[signal.Signals, bool] | None:
+        """Vote at an optimizer-step boundary (every rank, every step); the stop all ranks agree on now - the signal
+        and whether the job is to be requeued - or None."""
+        if self.requested is not None and not self._announced:
+            self._announced = True
+            log.info(f"[rank {rank}] {self.requested.name} received: stopping at an agreed step")
+        signum, requeue = self.vote.exchange((int(self.requested or 0), int(self.requeue_requested)))
+        if not signum:
+            return None
+        # Every rank stops at this step with the same votes in flight: finish them, or a gloo thread still holding one
+        # at interpreter exit aborts the process ("terminate called without an active exception", rc -6).
+        self.vote.close()
+        return signal.Signals(signum), bool(requeue)
+
+
+def stop_after_checkpoint(strategy: Any, path: str, requeue: bool, exit_code: int) -> NoReturn:
+    """End a run whose stop checkpoint every rank has just saved to ``path`` through ``strategy`` (a Trainer or
+    Fabric one): wait until it is published, requeue the SLURM job if asked (rank 0, before any rank exits: srun
+    ``--kill-on-bad-exit`` would end rank 0 before it requeues), and raise :class:`Preempted` on every rank.
+
+    The worker processes Lightning's own launcher started (local ranks > 0 when no cluster started the processes)
+    exit with 0, so that the launching process's child observer does not take their exit for a crash and kill it;
+    that process exits with ``exit_code``."""
+    if isinstance(strategy.checkpoint_io, ShardedCheckpointIO):
+        strategy.checkpoint_io.wait()  # a background save: until rank 0 has published it, on every rank
+    strategy.barrier("PreemptionCheckpoint.saved")
+    if requeue:
+        error = strategy.broadcast(_requeue_slurm_job() if strategy.global_rank == 0 else None)
+        if error:
+            raise RuntimeError(f"{error}. The checkpoint {path} is complete: resubmit the job to resume from it.")
+    environment = getattr(strategy, "cluster_environment", None)  # single-device strategies have none
+    launched_here = environment is not None and not environment.creates_processes_externally
+    rank_zero_info(
+        f"Preemption: checkpoint {path} complete{', job requeued' if requeue else ''}; exiting with status {exit_code}"
+    )
+    raise Preempted(0 if launched_here and strategy.local_rank > 0 else exit_code)
+
+
 class PreemptionCheckpoint(Callback):
     """Stop on a signal at the next optimizer-step boundary all ranks agree on, with a checkpoint of that step.
 
@@ -168,15 +254,11 @@ class PreemptionCheckpoint(Callback):
     """
 
     def __init__(self, signals: Sequence[str | int] = DEFAULT_SIGNALS, exit_code: int = PREEMPTED_EXIT_CODE) -> None:
-        self.signals = [_signal_from(value) for value in signals]
         if not isinstance(exit_code, int) or not 0 < exit_code < 128:
             raise ValueError(f"`exit_code={exit_code!r}`: use 1..127 (128 + n means 'killed by signal n').")
         self.exit_code = exit_code
-        self.vote = StopVote()
-        self._requested: signal.Signals | None = None  # set by the handlers
-        self._requeue_signal: signal.Signals | None = None
-        self._requeue_requested = False
-        self._announced = False
+        self.requests = StopRequests([_signal_from(value) for value in signals])
+        self._active = False
         self._last_step = 0
 
     # ------------------------------------------------------------------ hooks
@@ -185,15 +267,10 @@ class PreemptionCheckpoint(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        # A request noted in an earlier fit's last step (which needed no stop) is not this fit's.
-        self._requested, self._requeue_requested, self._announced = None, False, False
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(
-                "PreemptionCheckpoint installs signal handlers, which Python allows only in the main thread; "
-                "run `Trainer.fit` in the main thread (Lightning's default launcher does)."
-            )
-        if not isinstance(_cluster_environment(trainer), SLURMEnvironment):
-            _last_checkpoint_saver(trainer)  # raises now, not when the cluster stops the job
+        self.requests.forget()
+        self._active = self._check_setup(trainer)
+        if self._active:
+            _install_after_lightnings_handlers(trainer, self.requests)
         restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rank_zero_warn(
@@ -203,15 +280,9 @@ class PreemptionCheckpoint(Callback):
             )
 
     @override
-    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install_handlers(trainer)
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Lightning registers its own handlers just before the loops start (after `setup`) and restores the ones it
-        # found when fit ends; installed here, ours replace Lightning's for these signals for the loops' duration.
-        self._install_handlers(trainer)
-        self.vote.open()
+        if self._active:
+            self.requests.vote.open()
         self._last_step = trainer.global_step
 
     @override
@@ -221,65 +292,113 @@ class PreemptionCheckpoint(Callback):
         if trainer.global_step == self._last_step:
             return  # an accumulation micro-batch: no optimizer step, the weights are not at a step boundary
         self._last_step = trainer.global_step
-        if self._requested is not None and not self._announced:
-            self._announced = True
-            log.info(f"[rank {trainer.global_rank}] {self._requested.name} received: stopping at an agreed step")
-        signum, requeue = self.vote.exchange((int(self._requested or 0), int(self._requeue_requested)))
-        if signum:
-            self._stop(trainer, signal.Signals(signum), bool(requeue))
+        if not self._active:
+            return
+        agreed = self.requests.agreed(trainer.global_rank)
+        if agreed is not None:
+            self._stop(trainer, *agreed)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Training is complete: a request that arrived in its last step needs no checkpoint of its own.
-        self.vote.close()
+        if self._active:
+            self.requests.vote.close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.vote.abandon()
+        self.requests.vote.abandon()
 
-    # ------------------------------------------------------------------ signals
+    # ------------------------------------------------------------------ where and how
 
-    def _install_handlers(self, trainer: pl.Trainer) -> None:
-        handled = list(self.signals)
-        environment = _cluster_environment(trainer)
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            self._requeue_signal = environment.requeue_signal
-            handled.append(environment.requeue_signal)
-        for signum in set(handled):
-            signal.signal(signum, self._note)
+    def _check_setup(self, trainer: pl.Trainer) -> bool:
+        """Raise now, not when the cluster stops the job, what would keep the stop from working; whether to act."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "PreemptionCheckpoint installs signal handlers, which Python allows only in the main thread; "
+                "run `Trainer.fit` in the main thread (Lightning's default launcher does)."
+            )
+        if not isinstance(_cluster_environment(trainer), SLURMEnvironment):
+            _last_checkpoint_saver(trainer)
+        return True
 
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        """The handler: records the request and nothing else (no collective, no I/O, no lock)."""
-        received = signal.Signals(signum)
-        if received == signal.SIGINT and self._requested == signal.SIGINT:
-            signal.default_int_handler(signum, frame)  # Ctrl+C twice: stop now, without a checkpoint
-        self._requested = self._requested or received
-        self._requeue_requested = self._requeue_requested or received == self._requeue_signal
-
-    # ------------------------------------------------------------------ the stop
+    def _stop_checkpoint_path(self, trainer: pl.Trainer) -> str:
+        if isinstance(_cluster_environment(trainer), SLURMEnvironment):
+            # What Lightning's SLURM handler saves, and what `ckpt_path=None` resumes from under SLURM.
+            return _CheckpointConnector.hpc_save_path(trainer.default_root_dir)
+        saver = _last_checkpoint_saver(trainer)
+        return saver.format_checkpoint_name(_step_metrics(trainer), filename=saver.CHECKPOINT_NAME_LAST)
 
     def _stop(self, trainer: pl.Trainer, signum: signal.Signals, requeue: bool) -> None:
-        # Every rank stops at this step with the same votes in flight: finish them, or a gloo thread still holding one
-        # at interpreter exit aborts the process ("terminate called without an active exception", rc -6).
-        self.vote.close()
-        path = _stop_checkpoint_path(trainer)
+        path = self._stop_checkpoint_path(trainer)
         rank_zero_info(f"PreemptionCheckpoint: {signum.name} agreed at step {trainer.global_step}; saving {path}")
         trainer.save_checkpoint(path, weights_only=False)
-        if isinstance(trainer.strategy.checkpoint_io, ShardedCheckpointIO):
-            trainer.strategy.checkpoint_io.wait()  # a background save: until its files are published
-        trainer.strategy.barrier("PreemptionCheckpoint.saved")  # rank 0 publishes; every rank waits for it
-        if requeue:
-            # Before any rank exits: srun --kill-on-bad-exit would end rank 0 before it requeues.
-            error = trainer.strategy.broadcast(_requeue_slurm_job() if trainer.is_global_zero else None)
-            if error:
-                raise RuntimeError(f"{error}. The checkpoint {path} is complete: resubmit the job to resume from it.")
-        environment = _cluster_environment(trainer)
-        launched_here = environment is not None and not environment.creates_processes_externally
-        rank_zero_info(
-            f"PreemptionCheckpoint: stopped at step {trainer.global_step}, checkpoint {path} complete"
-            f"{', job requeued' if requeue else ''}; exiting with status {self.exit_code}"
-        )
-        raise Preempted(0 if launched_here and trainer.local_rank > 0 else self.exit_code)
+        stop_after_checkpoint(trainer.strategy, path, requeue, self.exit_code)
+
+
+class StrategyPreemptionCheckpoint(PreemptionCheckpoint):
+    """The :class:`PreemptionCheckpoint` that ``ShardedStrategy(preemption=True)`` (the default) adds to a Trainer
+    that has none: ``SIGTERM`` (torchrun, Kubernetes, Lightning's launcher, SLURM's ``scancel`` and time limit) and,
+    under ``SLURMEnvironment(auto_requeue=True)``, SLURM's requeue signal stop the run at an agreed step with a
+    checkpoint of it. ``SIGINT`` stays Lightning's (Ctrl+C ends an interactive run at once).
+
+    It asks for no configuration: the stop checkpoint goes where the run resumes from by itself when it can - under
+    SLURM Lightning's ``hpc_ckpt_N.ckpt``, else the ``last`` checkpoint of a ``ModelCheckpoint(save_last=True)`` - and
+    otherwise beside the first ``ModelCheckpoint``'s checkpoints (or in ``default_root_dir``) under that saver's name
+    for the step (a ``last`` written only at stops would go stale and be resumed after newer checkpoints); the log
+    names it. A ``fit`` outside the main thread, where Python allows no signal handlers, runs without it.
+
+    Example:
+        >>> StrategyPreemptionCheckpoint().requests.signals
+        [<Signals.SIGTERM: 15>]
+    """
+
+    def __init__(self) -> None:
+        super().__init__(signals=("SIGTERM",))
+
+    @override
+    def _check_setup(self, trainer: pl.Trainer) -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    @override
+    def _stop_checkpoint_path(self, trainer: pl.Trainer) -> str:
+        savers = [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)]
+        if isinstance(_cluster_environment(trainer), SLURMEnvironment) or (savers and savers[0].save_last):
+            return super()._stop_checkpoint_path(trainer)
+        if savers and savers[0].dirpath:
+            return savers[0].format_checkpoint_name(_step_metrics(trainer))
+        return str(Path(trainer.default_root_dir) / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt")
+
+
+def add_strategy_preemption(trainer: pl.Trainer) -> None:
+    """Give ``trainer`` a :class:`StrategyPreemptionCheckpoint` unless it has a :class:`PreemptionCheckpoint` (the
+    user's, whose settings win, or one added to an earlier fit).
+
+    Example:
+        >>> add_strategy_preemption(trainer)  # doctest: +SKIP
+    """
+    if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
+        trainer.callbacks.append(StrategyPreemptionCheckpoint())
+
+
+def _install_after_lightnings_handlers(trainer: pl.Trainer, requests: StopRequests) -> None:
+    """Install ``requests``' handlers right after Lightning registers its own in this fit, in place of Lightning's for
+    these signals: its SLURM handler saves a checkpoint and broadcasts inside the handler, its SIGTERM handler
+    broadcasts there too - collectives that deadlock when the signal reaches the ranks at different moments. Lightning
+    restores the handlers it found when the fit ends."""
+    connector = trainer._signal_connector
+    register = connector.register_signal_handlers
+
+    def register_then_install() -> None:
+        del connector.register_signal_handlers  # this fit only: Lightning's own method again from now on
+        register()
+        if trainer.state.fn == TrainerFn.FITTING:
+            requests.install(_cluster_environment(trainer))
+
+    connector.register_signal_handlers = register_then_install
+
+
+def _step_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    return {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
 
 
 def _cluster_environment(trainer: pl.Trainer) -> ClusterEnvironment | None:
@@ -312,15 +431,6 @@ def _last_checkpoint_saver(trainer: pl.Trainer) -> ModelCheckpoint:
             "`default_root_dir/hpc_ckpt_N.ckpt` instead)."
         )
     return savers[0]
-
-
-def _stop_checkpoint_path(trainer: pl.Trainer) -> str:
-    if isinstance(_cluster_environment(trainer), SLURMEnvironment):
-        # What Lightning's SLURM handler saves, and what `ckpt_path=None` resumes from under SLURM.
-        return _CheckpointConnector.hpc_save_path(trainer.default_root_dir)
-    saver = _last_checkpoint_saver(trainer)
-    metrics = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
-    return saver.format_checkpoint_name(metrics, filename=saver.CHECKPOINT_NAME_LAST)
 
 
 def _requeue_slurm_job() -> str | None:

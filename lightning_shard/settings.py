@@ -36,6 +36,7 @@ class StrategySettings:
     config: ShardingConfig = ShardingConfig()
     reduce_dtype: torch.dtype | None = None
     async_save: bool = False
+    preemption: bool = True
     process_group_backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
     start_method: StartMethod = "popen"
@@ -46,6 +47,8 @@ class StrategySettings:
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise TypeError(f"`timeout={self.timeout!r}` must be a datetime.timedelta, e.g. `timedelta(minutes=10)`.")
         check_reduce_dtype(self.reduce_dtype)
+        if not isinstance(self.preemption, bool):
+            raise TypeError(f"`preemption={self.preemption!r}` must be a bool (True: stop at an agreed step).")
         if self.async_save and self.config.state_dict_type != "sharded":
             raise ValueError("`async_save=True` writes sharded checkpoints; use `state_dict_type='sharded'`.")
 

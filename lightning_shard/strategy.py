@@ -23,7 +23,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -32,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
+from lightning_shard.checkpoint.model_checkpoint import link_when_published
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
@@ -41,9 +41,10 @@ from lightning_shard.hf.frozen_weights import (
     frozen_pretrained_weights,
     names_to_skip_on_resume,
 )
-from lightning_shard.launcher import ShardedMultiProcessingLauncher
+from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import ShardedPrecision
+from lightning_shard.preemption import add_strategy_preemption
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.wrap import WrapPolicy
@@ -75,10 +76,16 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         state_dict_type: ``"sharded"`` (default: a torch.distributed.checkpoint directory) or ``"full"`` (one file).
         save_frozen_pretrained_weights: ``False`` leaves out of checkpoints the frozen parameters read from pretrained
             files by ``lightning_shard.hf.from_pretrained`` (a LoRA run's base model): a checkpoint then holds the
-            trainable parameters, optimizer and loop states, and records the files (path, size, safetensors header
-            hash). Resuming reads the base from the files again (``configure_model()`` does) and refuses files that
-            are missing or changed. See :mod:`lightning_shard.hf.frozen_weights`.
+            trainable parameters, optimizer and loop states, and records the files (path, size, hashes of the
+            safetensors header and of sampled contents). Resuming reads the base from the files again
+            (``configure_model()`` does) and refuses files that are missing or changed, another fine-tune of the same
+            model included. See :mod:`lightning_shard.hf.frozen_weights`.
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
+        preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
+            strategy adds :class:`~lightning_shard.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and SLURM's
+            requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks agree on,
+            with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
+            ``False``: Lightning's own signal handling.
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
             through ``/dev/shm`` with reused buffers, and a periodic heap trim; see :mod:`lightning_shard.cpu`).
@@ -127,6 +134,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         state_dict_type: StateDictType | None = None,
         save_frozen_pretrained_weights: bool = True,
         async_save: bool = False,
+        preemption: bool = True,
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
         gradient_accumulation: GradientAccumulation = "sharded",
@@ -180,7 +188,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         # As DDP: the popen launcher is built on every rank, also where torchrun or this launcher already created
         # the process, because its `launch` also sets each rank's torch threads to cores // ranks.
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ShardedScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ShardedMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -196,6 +204,12 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self._set_world_ranks()
 
     # ------------------------------------------------------------------ model
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if self._preemption:  # before the callbacks' `setup`, which arms the handlers
+            add_strategy_preemption(model.trainer)
 
     @contextmanager
     @override
@@ -219,6 +233,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _evaluate_without_inference_mode(trainer)
+        link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io)
         if not isinstance(self.model, FSDPModule):
             self.model = self.precision_plugin.convert_module(self.model)
             self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)

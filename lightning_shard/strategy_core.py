@@ -84,6 +84,7 @@ class ShardedStrategyCore:
         self._process_group_backend = settings.process_group_backend
         self._timeout = settings.timeout
         self._start_method = settings.start_method
+        self._preemption = settings.preemption
         self._num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
         self._heap_trimmer = _heap_trimmer(settings.config.cpu_collectives)

@@ -18,6 +18,7 @@ files that are missing or changed, or without pretrained files; record the error
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -45,7 +46,8 @@ SMALL_CHECKPOINT = {"llama": "sharded", "gpt2": "full"}
 
 def write_checkpoints(root: Path) -> None:
     """The pretrained bases (``save_pretrained``), and the variants a resume must refuse: the Llama re-saved in bf16
-    (same file name, another size and header) and re-saved in two files (``model.safetensors`` missing)."""
+    (same file name, another size and header), re-saved in two files (``model.safetensors`` missing), and another
+    fine-tune of it (every weight moved a little: the same file name, size and header, other values)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(7)
@@ -53,6 +55,11 @@ def write_checkpoints(root: Path) -> None:
     llama.save_pretrained(root / "llama")
     AutoModelForCausalLM.from_config(gpt2_config()).save_pretrained(root / "gpt2")
     llama.save_pretrained(root / "llama-resharded", max_shard_size="150KB")
+    with torch.no_grad():
+        other = copy.deepcopy(llama)
+        for param in other.parameters():
+            param.add_(0.01 * torch.randn_like(param))
+    other.save_pretrained(root / "llama-finetuned")
     llama.to(torch.bfloat16).save_pretrained(root / "llama-changed")
 
 
@@ -188,6 +195,7 @@ def refuse(checkpoints: Path, two: Path, out: Path) -> None:
     checkpoint = torch.load(two / "llama-pretrained-meta.pt", weights_only=False)["checkpoint"]
     cases = {
         "changed": LoraModule("llama", str(checkpoints / "llama-changed")),
+        "finetuned": LoraModule("llama", str(checkpoints / "llama-finetuned")),
         "missing": LoraModule("llama", str(checkpoints / "llama-resharded")),
         "not_pretrained": LoraModule("llama"),
     }

@@ -3,8 +3,9 @@
     python tests/preemption_run.py --out DIR --steps 12 [--act ATTEMPT:RANK:STEP:ACTION ...] [--async-save]
         [--slow-save SECONDS] [--ckpt-path last] [--step-sleep SECONDS] [--marker-step K]
 
-Under Lightning's launcher (``--devices 2``), torchrun, or one process per rank with the variables srun sets.
-``PreemptionCheckpoint`` is always on; ``ModelCheckpoint(dirpath=DIR/ckpts, every_n_train_steps=--every,
+Under Lightning's launcher (``--devices 2``), torchrun, or one process per rank with the variables srun sets. No
+``PreemptionCheckpoint`` is added: the strategy's own (``preemption=True``, the default) handles the signals;
+``ModelCheckpoint(dirpath=DIR/ckpts, every_n_train_steps=--every,
 save_last=True)`` saves periodically; validation runs every ``--val-every`` steps. Data: the GPT example's
 ``TokenDataModule``, which resumes mid-epoch. Rank 0 appends ``{"attempt", "step", "loss"}`` (the mean loss over
 ranks of each optimizer step) to ``DIR/losses.jsonl``.
@@ -40,7 +41,7 @@ from toy import GlobalLossRecorder  # noqa: E402
 
 from examples.gpt.data import TokenDataModule  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
-from lightning_shard import PreemptionCheckpoint, ShardedStrategy  # noqa: E402
+from lightning_shard import ShardedStrategy  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
@@ -131,7 +132,6 @@ def main() -> None:
         callbacks=[
             losses,
             Events(args, losses),
-            PreemptionCheckpoint(),
             ModelCheckpoint(dirpath=args.out / "ckpts", every_n_train_steps=args.every, save_last=True),
         ],
         default_root_dir=args.out,

@@ -26,7 +26,7 @@ from toy import FULL, ToyModel
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.checkpoint import convert, reader, unit_load
-from lightning_shard.checkpoint.io import _STAGING_DIR
+from lightning_shard.checkpoint.publish import STAGING_DIR
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.cli import main as cli_main
 
@@ -281,8 +281,8 @@ def test_failed_save_keeps_the_last_good_checkpoint(one_rank_group, tmp_path: Pa
     survivor = io.load_checkpoint(path)
     assert survivor["global_step"] == 1 and torch.equal(survivor["state_dict"]["w"], torch.full((4,), 1.0))
     # the half-written save is in the hidden staging folder, without metadata: never mistaken for a checkpoint
-    assert sorted(p.name for p in tmp_path.iterdir()) == [_STAGING_DIR, "last.ckpt"]
-    leftovers = list((tmp_path / _STAGING_DIR).iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STAGING_DIR, "last.ckpt"]
+    leftovers = list((tmp_path / STAGING_DIR).iterdir())
     assert leftovers and all(p.name.startswith("last.ckpt.tmp-") and not is_sharded_checkpoint(p) for p in leftovers)
 
     # a full-format save that fails while writing leaves the old file in place too

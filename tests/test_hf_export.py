@@ -440,6 +440,29 @@ def test_a_non_empty_output_directory_is_refused(runs: Path, tmp_path: Path, cap
     assert [p.name for p in tmp_path.iterdir()] == ["taken"]  # no staging directory left behind
 
 
+def test_an_output_directory_filled_during_the_export_is_kept(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # Checked again when the export is renamed into place: on main it was exchanged with the export and deleted.
+    import lightning_shard.hf.export as export
+
+    out = tmp_path / "out"
+    copy = export._copy_config_files
+
+    def copy_then_someone_fills_the_output(*args: Any) -> None:
+        copy(*args)
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+
+    monkeypatch.setattr(export, "_copy_config_files", copy_then_someone_fills_the_output)
+    args = ["export-hf", str(runs / "gpt2" / "sharded.ckpt"), str(out), "--config", str(runs / "gpt2" / "config")]
+    assert cli_main(args) == 2
+    assert f"{out} is a directory that is not a checkpoint written by lightning-shard (it holds notes.txt)" in (
+        capsys.readouterr().err
+    )
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_the_package_imports_without_the_hf_extra() -> None:
     # transformers, huggingface_hub and safetensors are imported inside functions only. (The import itself cannot be
     # tried here: torchmetrics imports transformers whenever it is installed.)

@@ -170,7 +170,7 @@ def test_small_checkpoint_holds_the_adapters_and_names_the_files(
     record = checkpoint[RECORD_KEY]
     assert record["parameters"] == sorted(key for key in two["start"] if not is_lora(key))
     assert [(file["path"], file["size"]) for file in record["files"]] == [(str(base.resolve()), base.stat().st_size)]
-    assert len(record["files"][0]["header_sha256"]) == 64
+    assert len(record["files"][0]["header_sha256"]) == len(record["files"][0]["content_sha256"]) == 64
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -190,8 +190,14 @@ def test_resuming_refuses_missing_or_changed_files(results: dict[str, Path], che
     recorded = str((checkpoints / "llama" / "model.safetensors").resolve())
     # the base re-saved in bf16 under the same file name: another size and header
     assert "CheckpointIntegrityError" in errors["changed"]
-    assert "changed since the checkpoint was saved (size or safetensors header)" in errors["changed"]
+    assert "changed since the checkpoint was saved: [" in errors["changed"]
     assert "llama-changed/model.safetensors (183016 bytes; the checkpoint's was 363872 bytes)" in errors["changed"]
+    # another fine-tune of the same model: the same name, size and header (on main it resumed silently on it)
+    finetuned = str((checkpoints / "llama-finetuned" / "model.safetensors").resolve())
+    assert (
+        f"{finetuned} (the same tensors with other values: another fine-tune of the same model?)"
+        in (errors["finetuned"])
+    )
     # the base re-saved in three files: the recorded one was not read
     assert f"missing (not read by this run): ['{recorded}']" in errors["missing"]
     # a model whose base came from a config
@@ -304,8 +310,11 @@ def test_exporting_a_small_checkpoint_refuses_missing_or_changed_files(
     # the base re-saved in bf16 under the same file name: another size and header
     assert cli_main([*args, "--config", str(checkpoints / "llama-changed"), "--merge-lora"]) == 2
     error = capsys.readouterr().err
-    assert "changed since the checkpoint was saved (size or safetensors header)" in error
+    assert "changed since the checkpoint was saved: [" in error
     assert "llama-changed/model.safetensors (183016 bytes; the checkpoint's was 363872 bytes)" in error
+    # another fine-tune of the same model: the same name, size and header
+    assert cli_main([*args, "--config", str(checkpoints / "llama-finetuned"), "--merge-lora"]) == 2
+    assert "llama-finetuned/model.safetensors (the same tensors with other values" in capsys.readouterr().err
     # the base re-saved in three files: the recorded one is not there
     resharded = checkpoints / "llama-resharded"
     assert cli_main([*args, "--config", str(resharded), "--merge-lora"]) == 2
@@ -413,6 +422,32 @@ def test_a_base_tensor_held_outside_the_model_is_refused(checkpoints: Path, mesh
             model, mesh, ShardingConfig(auto_wrap_policy=None), mp_policy=MixedPrecisionPolicy(),
             offload_policy=OffloadPolicy(), device=torch.device("cpu"),
         )  # fmt: skip
+
+
+def test_pretrained_files_are_recognised_by_content_and_older_records_still_load(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_shard.checkpoint.integrity import CheckpointIntegrityError
+    from lightning_shard.hf.frozen_weights import PretrainedFile, check_recorded_files, checkpoint_record
+
+    def written(name: str, last: float) -> PretrainedFile:
+        weights = {"embed": torch.zeros(8192), "norm": torch.ones(8)}
+        weights["embed"][-1] = last  # the end of a 32 KiB tensor: one of the sampled blocks
+        (tmp_path / name).mkdir()
+        save_file(weights, tmp_path / name / "model.safetensors", {"format": "pt"})
+        return PretrainedFile.of(tmp_path / name / "model.safetensors")
+
+    base, other = written("base", 0.0), written("other", 1.0)
+    assert (other.size, other.header_sha256) == (base.size, base.header_sha256) != ("", "")
+    record = checkpoint_record({"model.embed": (base,), "model.norm": (base,)})
+    check = {"missing_means": "not read by this run", "fix": "Read the original files."}
+    check_recorded_files("last.ckpt", record, [written("same", 0.0)], **check)
+    with pytest.raises(CheckpointIntegrityError, match=r"other/model.safetensors \(the same tensors with other values"):
+        check_recorded_files("last.ckpt", record, [other], **check)
+    # A record written before the content hash: checked by name, size and header, with a warning.
+    older = {**record, "files": [{k: v for k, v in f.items() if k != "content_sha256"} for f in record["files"]]}
+    with pytest.warns(UserWarning, match="saved by an older lightning-shard, which recorded the pretrained files by"):
+        check_recorded_files("last.ckpt", older, [other], **check)
 
 
 def _small_checkpoint(model: nn.Module, files: Path, path: Path) -> None:

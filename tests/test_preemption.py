@@ -1,6 +1,7 @@
-"""Preemption with real processes and real signals: ``PreemptionCheckpoint`` under Lightning's launcher, a simulated
-SLURM job (one process per task with srun's variables, a fake ``scontrol`` first on ``PATH``) and torchrun with
-``--max-restarts``. Every job runs under a timeout (a hang is a failure).
+"""Preemption with real processes and real signals, with the strategy alone (no ``PreemptionCheckpoint`` added: the one
+``ShardedStrategy(preemption=True)`` installs) under Lightning's launcher, a simulated SLURM job (one process per task
+with srun's variables, a fake ``scontrol`` first on ``PATH``) and torchrun with ``--max-restarts``, and a Fabric loop
+with ``fabric.strategy.preemptible()``. Every job runs under a timeout (a hang is a failure).
 
 The runs train the tiny GPT example (``tests/preemption_run.py``: 2 ranks, FULL_SHARD, the example's mid-epoch
 resumable data, 8 steps per epoch) for 12 steps, and every interrupted-then-resumed run is compared with one
@@ -23,14 +24,17 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, clean_env, free_port, leftover_processes, srun_env, torchrun_args
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_shard import PREEMPTED_EXIT_CODE, PreemptionCheckpoint, is_sharded_checkpoint
+from lightning_shard import PREEMPTED_EXIT_CODE, PreemptionCheckpoint, ShardedStrategy, is_sharded_checkpoint
 from lightning_shard.checkpoint import read_sharded_keys
-from lightning_shard.checkpoint.io import _STAGING_DIR, _staging_path
-from lightning_shard.preemption import StopVote, _requeue_slurm_job
+from lightning_shard.checkpoint.publish import STAGING_DIR, staging_path
+from lightning_shard.preemption import StopVote, StrategyPreemptionCheckpoint, _requeue_slurm_job
 
 SCRIPT = "tests/preemption_run.py"
 STEPS = 12
@@ -96,11 +100,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 def test_lightning_launcher_stops_at_an_agreed_step_after_the_save_in_flight(tmp_path: Path, reference: dict) -> None:
-    """Rank 1 gets SIGTERM during the validation after step 4, rank 0 SIGUSR1 after step 5; the periodic (async)
+    """Rank 1 gets SIGTERM during the validation after step 4, rank 0 SIGTERM after step 5; the periodic (async)
     checkpoint of step 5 takes 1.5 s more to write. Both ranks stop after step 6 (the requests, voted at the boundary
     of step 5, are read at the next one) with the step-5 save complete and a step-6 checkpoint as `last`."""
     command = [sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", str(STEPS), "--every", "5", "--async-save",
-               "--slow-save", "1.5", "--act", "0:1:4:val-SIGTERM", "--act", "0:0:5:SIGUSR1"]  # fmt: skip
+               "--slow-save", "1.5", "--act", "0:1:4:val-SIGTERM", "--act", "0:0:5:SIGTERM"]  # fmt: skip
     rc, output = run(command, clean_env(), tmp_path)
     assert rc == PREEMPTED_EXIT_CODE, output[-4000:]
     assert "[rank 1] attempt 0 step 4: val-SIGTERM" in output and "SIGTERM agreed at step 6" in output
@@ -159,7 +163,7 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
     assert_equal_to_reference(stopped, reference, list(range(1, stop_step + 1)))
 
     # A later save to hpc_ckpt_2 killed half-way: its staging must not count as a checkpoint (nor as version 23291).
-    leftover = root / _STAGING_DIR / "hpc_ckpt_2.ckpt.tmp-3f2a9b1c"
+    leftover = root / STAGING_DIR / "hpc_ckpt_2.ckpt.tmp-3f2a9b1c"
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"partial")
     codes, output = job()  # the requeued job: the same command, as SLURM starts it again
@@ -173,17 +177,17 @@ def test_slurm_requeue_after_the_checkpoint_and_the_requeued_job_resumes_exactly
 def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint(tmp_path: Path, reference: dict) -> None:
     """``torchrun --max-restarts 2``, ``fit(ckpt_path="last")``, async saves every 4 steps. Attempt 0: rank 1 is
     SIGKILLed in the step-8 save, after writing its shards. Attempt 1 resumes from step 4 (the half-written step-8
-    checkpoint is never picked), and rank 0 alone gets SIGTERM after step 9: both stop after step 10 with a
-    checkpoint as `last` and exit with status 75, which torchrun restarts too. Attempt 2 resumes from step 10 and
-    finishes."""
+    checkpoint is never picked), and both ranks get SIGTERM after step 9 at once (as torchrun forwards it): both stop
+    after step 10 with a checkpoint as `last` and exit with status 75, which torchrun restarts too. Attempt 2 resumes
+    from step 10 and finishes."""
     env = dict(clean_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # see docs/multinode.md, "Preemption"
     command = [sys.executable, *torchrun_args(2), "--max-restarts=2", SCRIPT, "--out", str(tmp_path), "--steps",
                str(STEPS), "--async-save", "--ckpt-path", "last", "--act", "0:1:7:killsave",
-               "--act", "1:0:9:SIGTERM"]  # fmt: skip
+               "--act", "1:0:9:SIGTERM", "--act", "1:1:9:SIGTERM"]  # fmt: skip
     rc, output = run(command, env, tmp_path)
     assert rc == 0, output[-6000:]
     assert (
-        f"SIGKILL after writing shards into {tmp_path / 'ckpts' / _STAGING_DIR / 'epoch=0-step=8.ckpt.tmp-'}" in output
+        f"SIGKILL after writing shards into {tmp_path / 'ckpts' / STAGING_DIR / 'epoch=0-step=8.ckpt.tmp-'}" in output
     )
     assert f"exitcode: {PREEMPTED_EXIT_CODE}" in output  # attempt 1's stop, as torchrun reports it
     recorded = losses(tmp_path)
@@ -192,6 +196,32 @@ def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint(tmp_path: 
     ckpts = tmp_path / "ckpts"
     assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=12.ckpt", "last.ckpt"]
     assert not leftover_processes(str(tmp_path))
+
+
+def test_a_fabric_loop_stops_at_agreed_steps_and_resumes_exactly(tmp_path: Path) -> None:
+    """``tests/fabric_preemption_run.py`` (the toy model, 10 steps, Lightning's launcher): uninterrupted; then stopped
+    by SIGTERM on rank 1 after step 3 and on rank 0 after step 4 (both stop after step 4: rank 1's request, voted at
+    the boundary of step 3, is read at the next); resumed and stopped by SIGTERM on both ranks after step 7 (both stop
+    after step 8); resumed to the end. The losses equal the uninterrupted run's (tolerance 0)."""
+    script = [sys.executable, "tests/fabric_preemption_run.py", "--steps", "10"]
+    rc, output = run([*script, "--out", str(tmp_path / "reference")], clean_env(), tmp_path / "reference")
+    assert rc == 0, output[-4000:]
+    reference = {r["step"]: r["loss"] for r in losses(tmp_path / "reference")}
+    job = tmp_path / "job"
+    for acts, code, steps in [
+        (["1:3:SIGTERM", "0:4:SIGTERM"], PREEMPTED_EXIT_CODE, range(1, 5)),
+        (["0:7:SIGTERM", "1:7:SIGTERM"], PREEMPTED_EXIT_CODE, range(5, 9)),
+        ([], 0, range(9, 11)),
+    ]:
+        rc, output = run([*script, "--out", str(job), *(f"--act={act}" for act in acts)], clean_env(), job)
+        assert rc == code, output[-4000:]
+        assert_equal_to_reference(losses(job)[steps.start - 1 :], reference, list(steps))
+        assert global_step_of_fabric(job / "ckpts" / "last.ckpt") == (steps.stop - 1 if code else 8)
+    assert not leftover_processes(str(tmp_path))
+
+
+def global_step_of_fabric(checkpoint: Path) -> int:
+    return read_sharded_keys(checkpoint, {"step"})["step"]
 
 
 # ------------------------------------------------------------------ in one process
@@ -203,7 +233,7 @@ def test_staging_is_invisible_to_lightnings_checkpoint_scans(tmp_path: Path) -> 
     (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
     (tmp_path / "last.ckpt").mkdir()
     for name in ("hpc_ckpt_2.ckpt", "last.ckpt"):
-        staging = _staging_path(tmp_path / name)
+        staging = staging_path(tmp_path / name)
         staging.mkdir(parents=True)
         staging.with_name(f"{name}.old-3f2a9b1c").mkdir()
     trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
@@ -214,14 +244,88 @@ def test_staging_is_invisible_to_lightnings_checkpoint_scans(tmp_path: Path) -> 
 
 
 def test_handler_only_notes_the_request_and_a_second_ctrl_c_interrupts() -> None:
-    callback = PreemptionCheckpoint()
-    callback._note(signal.SIGUSR1, None)
-    callback._note(signal.SIGTERM, None)
-    assert callback._requested == signal.SIGUSR1 and not callback._requeue_requested  # no SLURM auto-requeue
-    callback = PreemptionCheckpoint()
-    callback._note(signal.SIGINT, None)
+    requests = PreemptionCheckpoint().requests
+    requests.note(signal.SIGUSR1, None)
+    requests.note(signal.SIGTERM, None)
+    assert requests.requested == signal.SIGUSR1 and not requests.requeue_requested  # no SLURM auto-requeue
+    requests = PreemptionCheckpoint().requests
+    requests.note(signal.SIGINT, None)
     with pytest.raises(KeyboardInterrupt):
-        callback._note(signal.SIGINT, None)
+        requests.note(signal.SIGINT, None)
+
+
+def sharded_trainer(tmp_path: Path, callbacks: list, **strategy: object) -> Trainer:
+    return Trainer(strategy=ShardedStrategy(**strategy), accelerator="cpu", devices=1, default_root_dir=tmp_path,
+                   callbacks=callbacks, logger=False, enable_progress_bar=False)  # fmt: skip
+
+
+def fit_started(trainer: Trainer) -> None:
+    """What `fit` does before the callbacks' `setup`: attach the model, connect it to the strategy."""
+    model = BoringModel()
+    model.trainer = trainer
+    trainer.strategy.connect(model)
+    trainer.state.fn = TrainerFn.FITTING
+
+
+def preemption_callbacks(trainer: Trainer) -> list[PreemptionCheckpoint]:
+    return [callback for callback in trainer.callbacks if isinstance(callback, PreemptionCheckpoint)]
+
+
+def test_the_strategy_adds_preemption_unless_the_user_has_it_or_switches_it_off(tmp_path: Path) -> None:
+    trainer = sharded_trainer(tmp_path, [])
+    fit_started(trainer)
+    (added,) = preemption_callbacks(trainer)
+    assert type(added) is StrategyPreemptionCheckpoint and added.requests.signals == [signal.SIGTERM]
+    fit_started(trainer)  # a second fit adds no second one
+    assert preemption_callbacks(trainer) == [added]
+    own = PreemptionCheckpoint(signals=["SIGUSR2"], exit_code=99)
+    trainer = sharded_trainer(tmp_path, [own, ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    fit_started(trainer)
+    assert preemption_callbacks(trainer) == [own]  # the user's settings win
+    trainer = sharded_trainer(tmp_path, [], preemption=False)
+    fit_started(trainer)
+    assert preemption_callbacks(trainer) == []
+    with pytest.raises(TypeError, match="`preemption='yes'` must be a bool"):
+        ShardedStrategy(preemption="yes")
+
+
+@pytest.mark.parametrize("slurm", [False, True], ids=["torchrun", "slurm-auto-requeue"])
+def test_the_stop_handlers_replace_lightnings_as_soon_as_lightning_registers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slurm: bool
+) -> None:
+    # Lightning's SLURM handler saves and broadcasts inside the handler, its SIGTERM handler broadcasts there: from
+    # the moment Lightning registers them (before the sanity check and the data loaders), ours are in their place.
+    if slurm:
+        for name, value in srun_env(0, free_port(), tasks_per_node=1).items():
+            monkeypatch.setenv(name, value)
+    trainer = sharded_trainer(tmp_path, [], **({"cluster_environment": SLURMEnvironment()} if slurm else {}))
+    fit_started(trainer)
+    (callback,) = preemption_callbacks(trainer)
+    callback.setup(trainer, BoringModel(), "fit")
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        trainer._signal_connector.register_signal_handlers()  # where `fit` calls it
+        expected = {signal.SIGTERM, signal.SIGUSR1} if slurm else {signal.SIGTERM}
+        assert {signum for signum in before if signal.getsignal(signum) == callback.requests.note} == expected
+        trainer._signal_connector.teardown()  # at the end of `fit`: the handlers found before it
+        assert {signum: signal.getsignal(signum) for signum in before} == before
+        trainer._signal_connector.register_signal_handlers()  # a later `validate`: Lightning's own again
+        assert signal.getsignal(signal.SIGTERM) != callback.requests.note
+    finally:
+        trainer._signal_connector.teardown()
+
+
+def test_the_strategys_stop_checkpoint_goes_where_the_run_resumes_from(tmp_path: Path) -> None:
+    callback = StrategyPreemptionCheckpoint()
+    for savers, expected in [
+        ([ModelCheckpoint(dirpath=tmp_path / "a", save_last=True)], tmp_path / "a" / "last.ckpt"),
+        ([ModelCheckpoint(dirpath=tmp_path / "b")], tmp_path / "b" / "epoch=0-step=0.ckpt"),  # no stale `last`
+        ([], tmp_path / "epoch=0-step=0.ckpt"),
+    ]:
+        trainer = sharded_trainer(tmp_path, savers)
+        fit_started(trainer)
+        callback.setup(trainer, BoringModel(), "fit")  # asks for no `last` ModelCheckpoint
+        assert callback._stop_checkpoint_path(trainer) == str(expected)
 
 
 def test_stop_vote_outcome_is_lag_exchanges_late() -> None:

@@ -21,7 +21,7 @@ from conftest import REPO, leftover_processes, run_script, torchrun_args
 
 from lightning_shard import ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.checkpoint.integrity import CheckpointIntegrityError, mismatch_problems
-from lightning_shard.checkpoint.io import _STAGING_DIR
+from lightning_shard.checkpoint.publish import STAGING_DIR
 
 SCRIPT = "tests/fault_run.py"
 JOB_TIMEOUT = 150  # a hang fails the test long before the 60 s process-group timeout could be masked
@@ -51,7 +51,7 @@ def launch(launcher: str, *args: str, timeout: float = JOB_TIMEOUT) -> tuple[int
 
 def staged(folder: Path) -> list[Path]:
     """What saves into ``folder`` left in its staging folder."""
-    return sorted((folder / _STAGING_DIR).glob("*")) if (folder / _STAGING_DIR).exists() else []
+    return sorted((folder / STAGING_DIR).glob("*")) if (folder / STAGING_DIR).exists() else []
 
 
 def assert_failed_promptly(rc: int, output: str, seconds: float, out: Path, *expected: str) -> None:
@@ -93,7 +93,7 @@ def test_rank_that_raises_in_save_ends_the_job_and_keeps_the_last_checkpoint(tmp
     assert visible == ["epoch=0-step=2.ckpt", "last.ckpt"], visible
     assert ShardedCheckpointIO().load_checkpoint(ckpts / "last.ckpt")["global_step"] == 2
     hidden = [p for p in ckpts.iterdir() if p.name.startswith(".")]
-    assert hidden == [ckpts / _STAGING_DIR] or not hidden, hidden
+    assert hidden == [ckpts / STAGING_DIR] or not hidden, hidden
     assert all(".tmp-" in p.name and not is_sharded_checkpoint(p) for p in staged(ckpts)), staged(ckpts)
     print(f"{launcher} save rank 1: rc={rc} in {seconds:.1f} s")
 
@@ -108,7 +108,7 @@ def test_rank_killed_mid_save_keeps_last_good_checkpoint_and_resumes(tmp_path: P
     ckpts = out / "ckpts"
     visible = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
     assert visible == ["epoch=0-step=2.ckpt", "last.ckpt"], visible  # step 4 never became `last` nor a top-k file
-    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == [_STAGING_DIR]
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == [STAGING_DIR]
     # the half-written step-4 save: in the hidden staging folder, holding rank 1's shard but no metadata
     hidden = staged(ckpts)
     assert hidden and all(p.name.startswith("epoch=0-step=4.ckpt.tmp-") for p in hidden), hidden

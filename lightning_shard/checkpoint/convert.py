@@ -14,28 +14,39 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.io import (
-    WORLD_SIZE_KEY,
     ShardedCheckpointIO,
     is_sharded_checkpoint,
     read_sharded_keys,
+    wait_for_saves_in_flight,
 )
-from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, WORLD_SIZE_KEY, StateLayout
+from lightning_shard.checkpoint.publish import discard, publish, staging_path
 
 
 def convert(src: Path, dst: Path) -> str:
     """Convert a sharded checkpoint directory to one ``torch.save`` file, or the reverse; return the direction.
 
+    Reads ``src`` once the background saves of this process are published. ``dst`` must not exist; the result is
+    published as a save is (staged, then renamed into place), and never replaces what is not a checkpoint of this
+    package (for the full file: anything) that appeared at ``dst`` meanwhile.
+
     Example:
         >>> convert(Path("out/last.ckpt"), Path("out/last-full.ckpt"))  # doctest: +SKIP
         'sharded -> full'
     """
+    wait_for_saves_in_flight()
     if not src.exists():
         raise FileNotFoundError(f"Checkpoint not found: {src}")
     if dst.exists():
         raise FileExistsError(f"The destination {dst} exists; choose a new path or remove it first.")
     if is_sharded_checkpoint(src):
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dcp_to_torch_save(src, dst)
+        staging = staging_path(dst, shared=False)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dcp_to_torch_save(src, staging)
+            publish(staging, dst, replace=False)
+        finally:
+            discard(staging)  # left there only if something failed
         return "sharded -> full"
     if src.is_dir():
         raise ValueError(f"{src} is a directory without torch.distributed.checkpoint metadata (.metadata).")

@@ -10,21 +10,30 @@ parameter names and optimizer states under ``"optimizer_states"`` keyed by param
 
 Writes are atomic: into a hidden staging folder beside the target, renamed over the target once every rank has
 finished, so an interrupted save never leaves something that looks like a complete checkpoint, to this package or to
-Lightning's scans of checkpoint folders (see ``_staging_path``).
+Lightning's scans of checkpoint folders (see :mod:`~lightning_shard.checkpoint.publish`). A save replaces only a
+checkpoint of this package or a link: anything else at its path is refused before anything is written
+(:mod:`~lightning_shard.checkpoint.target`). What a path holds - nothing, a sharded directory or a file; replaceable or
+not - is decided by rank 0 and broadcast, so that ranks whose views of a network filesystem differ for a moment never
+go into different collectives.
+
+Background saves (``async_save``): a save counts as done, on every rank, once rank 0 has published it; every load
+first waits for the saves in flight in this process, on every rank, so it reads the newest published checkpoint.
 Either format loads into any world size: DCP reshards, and a full file is mapped by rank 0 and broadcast unit by
 unit (``unit_load``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import os
 import pickle
-import shutil
-import uuid
+import threading
 import warnings
 import zipfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +60,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout, lookup
-from lightning_shard.checkpoint.publish import publish
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, WORLD_SIZE_KEY, StateLayout, lookup
+from lightning_shard.checkpoint.publish import delete, publish, publish_link, restore_interrupted, staging_path
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
+from lightning_shard.checkpoint.target import Found, Target
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
 from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
 
 MODEL_KEY = TRAINER_LAYOUT.model
-# Recorded in sharded checkpoints for `lightning-shard inspect`; Lightning ignores keys it does not know.
-WORLD_SIZE_KEY = "sharded_world_size"
 _DCP_METADATA = ".metadata"
 # torch < 2.13's DefaultStager frees its staging buffers (and its copying machinery) at the end of every stage: there
 # it serves one save.
 _STAGER_KEEPS_BUFFERS = torch.__version__ >= "2.13"
-# Holds saves being written (see `_staging_path`): no "ckpt_" and no "last" in the name.
-_STAGING_DIR = ".lightning_shard_staging"
+# The background saves of this process not yet published, whichever ShardedCheckpointIO started them: a load waits
+# for them all (a Trainer's `fit(ckpt_path=...)` may read what another Trainer's save is still writing).
+_SAVES_IN_FLIGHT: set[Future] = set()
 
 
 def is_sharded_checkpoint(path: _PATH) -> bool:
@@ -102,7 +111,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save={async_save!r}` must be a bool.")
         self.async_save = async_save
-        self._in_flight: Future | None = None
+        self._in_flight: _BackgroundSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
 
@@ -149,12 +158,18 @@ class ShardedCheckpointIO(CheckpointIO):
         ``layout`` says) are written as DCP tensors (each rank its shards; whole tensors without a process group),
         everything else as one pickled object per key, so empty containers survive (see :class:`_Pickled`).
 
+        Raises:
+            IsADirectoryError, FileExistsError: on every rank, before anything is written, when ``path`` holds
+                something that is not a checkpoint of this package (see :mod:`~lightning_shard.checkpoint.target`).
+
         Example:
             >>> full = torch.load("full.ckpt", mmap=True, weights_only=False)  # doctest: +SKIP
             >>> ShardedCheckpointIO().save_sharded(full, "sharded.ckpt")  # doctest: +SKIP
         """
         path = Path(path)
-        staging = _staging_path(path)
+        self.wait()  # the save before, perhaps to this very path, is published first
+        _check_target(path)
+        staging = staging_path(path)
         tensor_keys = layout.tensor_keys()
         payload = {
             key: value if key in tensor_keys else _opaque(value) for key, value in _recorded(checkpoint, layout).items()
@@ -165,12 +180,9 @@ class ShardedCheckpointIO(CheckpointIO):
             return
         dcp.save(payload, checkpoint_id=staging)
         barrier()
-        if rank() == 0:
-            publish(staging, path)
-        barrier()
+        _by_rank_zero(lambda: publish(staging, path))
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
-        self.wait()
         if self._async_group is None and _distributed_is_initialized():
             # The background thread's collectives get their own group so they never interleave with training's.
             self._async_group = dist.new_group(backend="gloo")
@@ -185,52 +197,64 @@ class ShardedCheckpointIO(CheckpointIO):
                     use_non_blocking_copy=pinned,
                 )
             )
+        save = _BackgroundSave(staging, path, self._async_group)
         written = dcp.async_save(
             payload, checkpoint_id=staging, process_group=self._async_group, async_stager=self._stager
         )
-        # `wait()` waits for `published`, which completes only after the rename: a bare done-callback on
-        # `written` may still be renaming when `written.result()` returns.
-        published: Future = Future()
-
-        def publish_when_written(done: Future) -> None:
-            try:
-                done.result()
-                if rank() == 0:
-                    # Rank 0's save completes after it has gathered every rank's write results and written the
-                    # metadata, so every shard is on disk.
-                    publish(staging, path)
-                published.set_result(None)
-            except BaseException as error:  # handed to whoever waits
-                published.set_exception(error)
-
-        written.add_done_callback(publish_when_written)
-        self._in_flight = published
+        written.add_done_callback(save.publish)
+        self._in_flight = save
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is written and published; re-raise its error."""
-        future, self._in_flight = self._in_flight, None
-        if future is not None:
-            future.result()
+        """Block until the save in flight (if any) is written and published by rank 0; re-raise its error."""
+        save, self._in_flight = self._in_flight, None
+        if save is not None:
+            save.published.result()
+
+    def link(self, target: _PATH, link: _PATH) -> None:
+        """Make ``link`` a symbolic link to the checkpoint ``target`` (relative, as ``ModelCheckpoint(save_last=
+        "link")`` makes it) once ``target`` is published: now, or - ``target`` being the background save in flight -
+        right after rank 0 publishes it, so that the link never points at a checkpoint not yet complete. Replaces a
+        link or a checkpoint of this package at ``link``, nothing else. Call on rank 0.
+
+        Example:
+            >>> io.link("ckpts/epoch=0-step=500.ckpt", "ckpts/last.ckpt")  # doctest: +SKIP
+        """
+        target, link = Path(target), Path(link)
+        save = self._in_flight
+        if save is not None and os.path.abspath(save.path) == os.path.abspath(target):
+            save.then(lambda: publish_link(target, link))
+        else:
+            publish_link(target, link)
 
     def save_full(self, checkpoint: dict[str, Any], path: _PATH, layout: StateLayout = TRAINER_LAYOUT) -> None:
-        """Write ``checkpoint`` (gathered on rank 0) as one file from rank 0; call on every rank."""
+        """Write ``checkpoint`` (gathered on rank 0) as one file from rank 0; call on every rank. Refuses what
+        :meth:`save_sharded` refuses."""
         path = Path(path)
-        staging = _staging_path(path)
-        if rank() == 0:
+        self.wait()
+        _check_target(path)
+        staging = staging_path(path)
+
+        def write() -> None:
             staging.parent.mkdir(parents=True, exist_ok=True)
             torch.save(_recorded(checkpoint, layout), staging)
             publish(staging, path)
-        barrier()
+
+        _by_rank_zero(write)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Delete a checkpoint file or directory (call on one rank)."""
+        """Delete the checkpoint of this package, or the link, at ``path``; anything else is left in place, with a
+        warning (call on one rank)."""
         self.wait()  # the save in flight may be publishing this very path
         path = Path(path)
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        target = Target.at(path)
+        if target.found is Found.OTHER:
+            warnings.warn(
+                f"Not removing {path}: it is not a checkpoint written by lightning-shard ({target.detail}).",
+                stacklevel=2,
+            )
+        elif target.found is not Found.NOTHING:
+            delete(path)
 
     @override
     def teardown(self) -> None:
@@ -243,9 +267,9 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
-        """Read a whole checkpoint of either format into this process (no model needed)."""
-        path = _existing(path)
-        if path.is_dir():  # a directory without `.metadata` is named as such by the check
+        """Read a whole checkpoint of either format into this process (no model needed); call on every rank."""
+        path, is_directory = locate(path)
+        if is_directory:  # a directory without `.metadata` is named as such by the check
             integrity.check_sharded(path)
             return read_sharded_keys(path)
         return integrity.load_full_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
@@ -267,13 +291,13 @@ class ShardedCheckpointIO(CheckpointIO):
 
         ``absent``: model tensors the checkpoint leaves out on purpose (frozen pretrained weights, read from their
         files): neither expected nor loaded; they keep their values."""
-        path = _existing(path)
+        path, is_directory = locate(path)
         optimizers = optimizers if optimizers and not weights_only else []
         # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
         # the garbage collector, unpickling the metadata and plans does not set off a sweep of the whole heap (as in
         # torch's own state-dict functions).
         with torch.no_grad(), gc_paused():
-            if path.is_dir():  # sharded; a directory without `.metadata` is named as such by the check
+            if is_directory:  # sharded; a directory without `.metadata` is named as such by the check
                 return self._load_sharded(path, model, optimizers, strict, layout, set(absent))
             return self._load_full(path, model, optimizers, strict, layout, set(absent))
 
@@ -284,8 +308,8 @@ class ShardedCheckpointIO(CheckpointIO):
         Example:
             >>> ShardedCheckpointIO().load_raw_into("lit_model.pth", sharded_model)  # doctest: +SKIP
         """
-        path = _existing(path)
-        if path.is_dir():
+        path, is_directory = locate(path)
+        if is_directory:
             raise IsADirectoryError(
                 f"{path} is a sharded checkpoint, not a file holding a state dict; load it with "
                 "`fabric.load(path, {'model': model})`."
@@ -488,19 +512,134 @@ def _holds_shards(checkpoint: dict[str, Any]) -> bool:
     return any(isinstance(value, DTensor) for value in checkpoint.get(MODEL_KEY, {}).values())
 
 
-def _existing(path: _PATH) -> Path:
+def wait_for_saves_in_flight() -> None:
+    """Block until every background save this process started is published (or has failed: the
+    :class:`ShardedCheckpointIO` that started it raises its error when it next waits).
+
+    Example:
+        >>> wait_for_saves_in_flight()
+    """
+    concurrent.futures.wait(list(_SAVES_IN_FLIGHT))
+
+
+def locate(path: _PATH) -> tuple[Path, bool]:
+    """Wait for the saves in flight, then let rank 0 decide whether ``path`` is a directory (sharded) or a file, after
+    putting back a checkpoint an interrupted publish moved aside; call on every rank. Every rank gets rank 0's
+    answer: ranks whose views of a network filesystem differ (just after a rename) never take different paths.
+
+    Raises:
+        FileNotFoundError: on every rank, when rank 0 finds nothing at ``path``.
+
+    Example:
+        >>> locate("missing.ckpt")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: Checkpoint not found: missing.ckpt
+    """
+    wait_for_saves_in_flight()
     path = Path(path)
-    if not path.exists():
+    is_directory = broadcast_object(_is_directory_here(path) if rank() == 0 else None)
+    if is_directory is None:
         raise FileNotFoundError(f"Checkpoint not found: {path}")
-    return path
+    return path, is_directory
 
 
-def _staging_path(path: Path) -> Path:
-    """Where a save to ``path`` is written before it is published: ``.lightning_shard_staging/NAME.tmp-XXXXXXXX``
-    beside it. Lightning scans checkpoint folders by name - hpc numbering reads the digits after any ``ckpt_``
-    (``.hpc_ckpt_2.ckpt.tmp-3f2a9b1c`` would count as version 23291), ``ckpt_path="last"`` matches ``last*.ckpt`` -
-    but only the folder's own entries: inside a subfolder whose name has neither, a save killed half-way is never
-    taken for a checkpoint. The same filesystem as ``path``, so publishing is a rename."""
-    # One name for all ranks: rank 0 draws it and broadcasts it.
-    token = broadcast_object(uuid.uuid4().hex[:8])
-    return path.parent / _STAGING_DIR / f"{path.name}.tmp-{token}"
+def _is_directory_here(path: Path) -> bool | None:
+    restore_interrupted(path)
+    return path.is_dir() if path.exists() else None
+
+
+def _by_rank_zero(action: Callable[[], None]) -> None:
+    """Run ``action`` (writing, publishing) on rank 0; every rank returns once it is done, or raises: rank 0 its own
+    error, the others a :class:`CheckpointIntegrityError` quoting it (none is left waiting at a barrier)."""
+    error = None
+    if rank() == 0:
+        try:
+            action()
+        except Exception as caught:
+            error = caught
+    try:
+        integrity.agree(error)
+    except integrity.CheckpointIntegrityError:
+        if error is not None:
+            raise error from None
+        raise
+
+
+def _check_target(path: Path) -> None:
+    """Rank 0 looks at what ``path`` holds (after putting back a checkpoint an interrupted publish moved aside);
+    every rank raises the same refusal if it may not be replaced."""
+    target = broadcast_object(_target_here(path) if rank() == 0 else None)
+    target.check_replaceable(path)
+
+
+def _target_here(path: Path) -> Target:
+    restore_interrupted(path)
+    return Target.at(path)
+
+
+@dataclass(eq=False)
+class _BackgroundSave:
+    """A save that DCP's background thread writes; ``published`` completes on every rank once rank 0 has published
+    it (or with the error that stopped it), which :meth:`publish` learns from rank 0 over the save's own group.
+    Registered in ``_SAVES_IN_FLIGHT`` until then."""
+
+    staging: Path
+    path: Path
+    group: dist.ProcessGroup | None
+    published: Future = field(default_factory=Future)
+    _after: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _outcome: BaseException | bool | None = None  # rank 0: True once published, the error if it failed
+
+    def __post_init__(self) -> None:
+        _SAVES_IN_FLIGHT.add(self.published)
+        self.published.add_done_callback(_SAVES_IN_FLIGHT.discard)
+
+    def publish(self, written: Future) -> None:
+        """DCP's callback when this rank's part is written: rank 0 publishes (rank 0's write completes once every
+        rank's shards and the metadata are on disk) and runs what waits for it; then one broadcast of rank 0's
+        outcome, on every rank, so that no rank counts the save done before it is published."""
+        error: BaseException | None
+        try:
+            error = written.exception()
+        except BaseException as cancelled:
+            error = cancelled
+        if rank() == 0:
+            error = error or self._publish_here()
+        try:  # every rank, whatever happened here: the others wait for this broadcast
+            message = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", self.group)
+        except BaseException as caught:  # handed to whoever waits
+            error, message = error or caught, None
+        if error is None and message is not None:
+            error = RuntimeError(f"Rank 0 could not write or publish the checkpoint {self.path}: {message}")
+        if error is None:
+            self.published.set_result(None)
+        else:
+            self.published.set_exception(error)
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (rank 0) once rank 0 has published this save: right after the publish, in the background
+        thread, or now if that has happened; never if the save failed."""
+        with self._lock:
+            if self._outcome is None:
+                self._after.append(action)
+                return
+        if self._outcome is True:
+            action()
+
+    def _publish_here(self) -> BaseException | None:
+        try:
+            publish(self.staging, self.path)
+        except BaseException as error:
+            with self._lock:
+                self._outcome = error
+            return error
+        with self._lock:
+            self._outcome, after = True, self._after
+        try:
+            for action in after:
+                action()
+        except BaseException as error:
+            return error
+        return None

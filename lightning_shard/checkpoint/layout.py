@@ -16,6 +16,10 @@ from typing import Any
 
 # Recorded in checkpoints whose layout is not the Trainer's, next to the payload.
 LAYOUT_KEY = "sharded_layout"
+# Recorded in every sharded checkpoint: the world size that saved it (`lightning-shard inspect` shows it), and the
+# mark by which a save recognises a checkpoint of this package that it may replace (`target`). Lightning ignores keys
+# it does not know.
+WORLD_SIZE_KEY = "sharded_world_size"
 
 Path = tuple[str | int, ...]
 

@@ -30,8 +30,8 @@ def barrier() -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (pickled); ``obj`` itself without a process group.
+def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` (default: all; pickled); ``obj`` itself without a process group.
 
     Example:
         >>> broadcast_object({"step": 3})
@@ -40,5 +40,5 @@ def broadcast_object(obj: Any) -> Any:
     if not _distributed_is_initialized():
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group)
     return holder[0]

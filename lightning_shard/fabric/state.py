@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.io import WORLD_SIZE_KEY, ShardedCheckpointIO
-from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
+from lightning_shard.checkpoint.io import ShardedCheckpointIO
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, WORLD_SIZE_KEY, StateLayout
 
 
 def sharded_model(state: Mapping[str, Any], action: str) -> tuple[str, nn.Module]:

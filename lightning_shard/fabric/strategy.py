@@ -13,6 +13,9 @@ policy, checkpoint IO). What Fabric calls, in a typical loop:
 * ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync`` (skips the reduce-scatter only under
   ``gradient_accumulation="unsharded"``), ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` in the sharded or
   full format, at any world size.
+* ``with fabric.strategy.preemptible() as preemption`` and ``preemption.step_end(path, state)`` after each optimizer
+  step: a stop signal ends the run at a step all ranks agree on, with a checkpoint of it
+  (:mod:`lightning_shard.fabric.preemption`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing_extensions import override
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
+from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
 from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import clip_grad_norm
@@ -55,9 +59,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         **settings: the settings of the Trainer's :class:`lightning_shard.ShardedStrategy` - ``sharding_strategy``,
             ``auto_wrap_policy``, ``activation_checkpointing``, ``reshard_after_forward``, ``forward_prefetch``,
             ``cpu_offload``, ``hybrid_shard_size``, ``reduce_dtype``, ``state_dict_type``, ``async_save``,
-            ``cpu_collectives``, ``compile``, ``gradient_accumulation``, ``process_group_backend``, ``timeout``,
-            ``start_method`` - with the same checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated
-            (``activation_checkpointing_policy``, ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
+            ``preemption`` (whether :meth:`preemptible` acts), ``cpu_collectives``, ``compile``,
+            ``gradient_accumulation``, ``process_group_backend``, ``timeout``, ``start_method`` - with the same
+            checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated (``activation_checkpointing_policy``,
+            ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
             ``gradient_accumulation`` decides what ``fabric.no_backward_sync(model, enabled=True)`` does:
             ``"sharded"`` (default) still reduce-scatters every micro-batch, ``"unsharded"`` skips it.
 
@@ -216,6 +221,20 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
     # ------------------------------------------------------------------ checkpoints
+
+    def preemptible(self) -> Preemptible:
+        """A context for the training loop in which a stop signal (``SIGTERM``; SLURM's requeue signal under
+        ``SLURMEnvironment(auto_requeue=True)``) ends the run at a step all ranks agree on, with a checkpoint of that
+        step: call ``step_end(path, state)`` on it after every optimizer step (see
+        :mod:`lightning_shard.fabric.preemption`). Enter it on every rank; with ``preemption=False`` it does nothing.
+
+        Example:
+            >>> with fabric.strategy.preemptible() as preemption:  # doctest: +SKIP
+            ...     for step in range(steps):
+            ...         train_step()
+            ...         preemption.step_end("ckpts/last.ckpt", {"model": model, "optimizer": optimizer, "step": step})
+        """
+        return Preemptible(self, enabled=self._preemption)
 
     @override
     def save_checkpoint(

@@ -24,7 +24,8 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   pretrained files in ``config_dir``, checked against the checkpoint's record first
   (:mod:`lightning_shard.hf.frozen_export`), one output shard at a time like the checkpoint's own; the adapter alone
   needs none of them.
-* Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end.
+* Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end, only
+  where there is nothing (or an empty directory) then: a directory filled meanwhile is refused, never replaced.
 
 transformers, huggingface_hub and safetensors (the ``[hf]`` extra) are imported inside the functions that need them.
 """
@@ -53,8 +54,8 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
     read_metadata,
 )
-from lightning_shard.checkpoint.io import MODEL_KEY, _staging_path, is_sharded_checkpoint, read_sharded_keys
-from lightning_shard.checkpoint.publish import publish
+from lightning_shard.checkpoint.io import MODEL_KEY, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.publish import discard, publish, staging_path
 from lightning_shard.cpu.heap import release_freed_heap
 from lightning_shard.hf.frozen_export import BaseTensor, PretrainedBase
 from lightning_shard.hf.frozen_weights import read_record
@@ -170,7 +171,7 @@ def export_hf(
         plan = split_torch_state_dict_into_shards(planned, filename_pattern=_WEIGHTS, max_shard_size=max_shard_size)
     except ValueError as error:
         raise ValueError(f"`max_shard_size={max_shard_size!r}`: {error}") from error
-    staging = _staging_path(out_dir)
+    staging = staging_path(out_dir)
     staging.mkdir(parents=True)
     try:
         for file, names in plan.filename_to_tensors.items():
@@ -189,10 +190,9 @@ def export_hf(
             index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
             (staging / _INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _copy_config_files(config_dir, staging, _config_dtype(target, planned.values()))
-        publish(staging, out_dir)
+        publish(staging, out_dir, replace=False)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)  # left there only if something failed
     return HFExport(out_dir, prefix, sorted(plan.filename_to_tensors), len(planned), plan.metadata["total_size"])
 
 
@@ -226,16 +226,15 @@ def export_adapter(
     expected = _with_names(layout.aliases, names.values())
     prefix = _resolve_prefix(prefix, source, expected)
     _check_shapes(source, prefix, {name: layout.shapes[name] for names in expected.values() for name in names})
-    staging = _staging_path(out_dir)
+    staging = staging_path(out_dir)
     staging.mkdir(parents=True)
     try:
         with source.read({prefix + name: name for name in names.values()}) as tensors:
             save_adapter(layout, tensors, staging)
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-        publish(staging, out_dir)
+        publish(staging, out_dir, replace=False)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)  # left there only if something failed
     return HFExport(out_dir, prefix, [ADAPTER_WEIGHTS], len(names), total)
 
 

@@ -4,15 +4,18 @@ With ``ShardedStrategy(save_frozen_pretrained_weights=False)`` a checkpoint (sha
 parameter that is frozen (``requires_grad=False``) and was read from pretrained files by
 :func:`lightning_shard.hf.from_pretrained` - a LoRA run's whole base model - so it holds the trainable parameters,
 buffers, optimizer and loop states. It records (under :data:`RECORD_KEY`) the names left out and the files they were
-read from: path, size and a SHA-256 of the safetensors header of each. Resuming builds the model as before
-(``configure_model()`` reads the base from the files again); :func:`names_to_skip_on_resume` checks that this run read
-the same files (by name, size and header) and returns the names the checkpoint does not hold, which the checkpoint IO
-then neither expects nor loads. Training does not change frozen parameters, so the resumed model equals the saved one.
+read from (:class:`PretrainedFile`: path, size, a SHA-256 of the safetensors header and one of sampled contents,
+taken when the run read them). Resuming builds the model as before (``configure_model()`` reads the base from the
+files again); :func:`names_to_skip_on_resume` checks that this run read the same files (by name, size, header and
+contents) and returns the names the checkpoint does not hold, which the checkpoint IO then neither expects nor loads.
+Training does not change frozen parameters, so the resumed model equals the saved one. Checkpoints saved before the
+contents were recorded still load, their files checked by name, size and header (with a warning).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import zipfile
@@ -22,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.io import locate, read_sharded_keys
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.torch_compat import visible_name
 
@@ -33,20 +37,28 @@ from lightning_shard.torch_compat import visible_name
 RECORD_KEY = "frozen_pretrained_weights"
 # Set on a model loaded by `load_pretrained_shards`: its `_Loaded` record.
 _LOADED = "_lightning_shard_loaded_files"
+# Read from the start and the end of every tensor's data (all of a smaller tensor) for the content hash. Training
+# changes nearly every element of what it trains, so a fine-tune of the same architecture differs there in every
+# tensor it changed, also in a layer-wise or head-only fine-tune that leaves most of a file alone; two reads per tensor
+# cost milliseconds, where hashing the whole file would read it (`benchmarks/hf_loading.py --content-hash`).
+_SAMPLE_BYTES = 4096
 
 
 @dataclass(frozen=True)
 class PretrainedFile:
-    """A safetensors file as a checkpoint records it.
+    """A safetensors file as a checkpoint records it: its size, a SHA-256 of its header (names, dtypes, shapes,
+    offsets) and one of sampled contents (the first and the last 4 KiB of every tensor's data, in file order).
+    ``content_sha256`` is empty in records written before it existed.
 
     Example:
         >>> PretrainedFile.of("checkpoints/llama/model.safetensors")  # doctest: +SKIP
-        PretrainedFile(path='/.../model.safetensors', size=1032, header_sha256='3f1c...')
+        PretrainedFile(path='/.../model.safetensors', size=1032, header_sha256='3f1c...', content_sha256='9a0e...')
     """
 
     path: str
     size: int
     header_sha256: str
+    content_sha256: str = ""
 
     @classmethod
     def of(cls, path: str | os.PathLike) -> PretrainedFile:
@@ -55,7 +67,25 @@ class PretrainedFile:
             length_bytes = handle.read(8)
             (length,) = struct.unpack("<Q", length_bytes)
             header = handle.read(length)
-        return cls(str(path), path.stat().st_size, hashlib.sha256(length_bytes + header).hexdigest())
+            content = hashlib.sha256(length_bytes + header)
+            for start, end in _sampled_ranges(json.loads(header), data_start=8 + length):
+                handle.seek(start)
+                content.update(handle.read(end - start))
+        header_sha256 = hashlib.sha256(length_bytes + header).hexdigest()
+        return cls(str(path), path.stat().st_size, header_sha256, content.hexdigest())
+
+
+def _sampled_ranges(header: dict[str, Any], data_start: int) -> list[tuple[int, int]]:
+    """The byte ranges of the file read for the content hash, in file order, merged where they touch."""
+    ranges: list[tuple[int, int]] = []
+    for entry in sorted((v for k, v in header.items() if k != "__metadata__"), key=lambda e: e["data_offsets"]):
+        start, end = (data_start + offset for offset in entry["data_offsets"])
+        for piece in ((start, min(end, start + _SAMPLE_BYTES)), (max(start, end - _SAMPLE_BYTES), end)):
+            if ranges and piece[0] <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], piece[1]))
+            elif piece[0] < piece[1]:
+                ranges.append(piece)
+    return ranges
 
 
 @dataclass(eq=False)
@@ -145,28 +175,41 @@ def _check(path: str | os.PathLike, record: dict[str, Any], current: dict[str, t
 def check_recorded_files(
     path: str | os.PathLike, record: dict[str, Any], found: Iterable[PretrainedFile], missing_means: str, fix: str
 ) -> None:
-    """Check the files ``found`` against those the checkpoint at ``path`` records (``record``), by file name, size and
-    header: resuming checks the files this run read, ``export-hf`` those of its ``--config`` directory.
+    """Check the files ``found`` against those the checkpoint at ``path`` records (``record``), by file name, size,
+    header and sampled contents (by name, size and header only, with a warning, where the record is older than the
+    content hash): resuming checks the files this run read, ``export-hf`` those of its ``--config`` directory.
 
     Raises:
         CheckpointIntegrityError: naming the recorded files missing from ``found`` (``missing_means`` says what that
-            means) and those whose size or header changed, then ``fix``.
+            means) and those whose size, header or contents changed, then ``fix``.
 
     Example:
         >>> check_recorded_files("out/last.ckpt", record, [PretrainedFile.of("llama/model.safetensors")],
         ...                      "not in llama", "Pass the pretrained directory.")  # doctest: +SKIP
     """
     by_name = {Path(file.path).name: file for file in found}
-    missing, changed = [], []
+    missing, changed, unsampled = [], [], []
     for saved in (PretrainedFile(**file) for file in record["files"]):
         now = by_name.get(Path(saved.path).name)
         if now is None:
             missing.append(saved.path)
-        elif (now.size, now.header_sha256) != (saved.size, saved.header_sha256):
+        elif now.size != saved.size:
             changed.append(f"{now.path} ({now.size} bytes; the checkpoint's was {saved.size} bytes)")
+        elif now.header_sha256 != saved.header_sha256:
+            changed.append(f"{now.path} (another safetensors header: other tensors, dtypes or shapes)")
+        elif not saved.content_sha256:
+            unsampled.append(now.path)
+        elif now.content_sha256 != saved.content_sha256:
+            changed.append(f"{now.path} (the same tensors with other values: another fine-tune of the same model?)")
+    if unsampled and not missing and not changed:
+        rank_zero_warn(
+            f"The checkpoint {path} was saved by an older lightning-shard, which recorded the pretrained files by "
+            f"name, size and safetensors header only: {unsampled} are taken to be the files the run read, without "
+            "checking their values. A checkpoint saved from now on records their contents too."
+        )
     if missing or changed:
         problems = ([f"missing ({missing_means}): {missing}"] if missing else []) + (
-            [f"changed since the checkpoint was saved (size or safetensors header): {changed}"] if changed else []
+            [f"changed since the checkpoint was saved: {changed}"] if changed else []
         )
         raise integrity.CheckpointIntegrityError(
             f"The checkpoint {path} leaves out the frozen pretrained weights, to be read again from the files it "
@@ -182,7 +225,8 @@ def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
         >>> read_record("out/last.ckpt")["files"][0]["size"]  # doctest: +SKIP
         3219984
     """
-    if is_sharded_checkpoint(path):
+    path, is_directory = locate(path)  # rank 0 decides which collectives follow
+    if is_directory:
         metadata = integrity.agreed(lambda: integrity.read_metadata(path))
         assert metadata is not None
         if RECORD_KEY not in metadata.state_dict_metadata:
@@ -190,8 +234,6 @@ def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
         return read_sharded_keys(path, {RECORD_KEY})[RECORD_KEY]  # every rank: DCP's read is collective
 
     def read_full() -> dict[str, Any] | None:
-        if not Path(path).is_file():
-            return None  # the checkpoint IO names a missing checkpoint
         mmap = zipfile.is_zipfile(path)  # torch's legacy format cannot be mapped
         checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
         return checkpoint.get(RECORD_KEY) if isinstance(checkpoint, dict) else None
