@@ -31,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.averaging.callbacks import averaged_copy_place, averaged_models, shard_weight_averaging
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
@@ -191,6 +192,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if self.lightning_module is not None:
             # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.
             self.lightning_module._device_mesh = self._device_mesh
+            if self.lightning_module._trainer is not None:
+                # Before the callbacks' `setup`, where Lightning's WeightAveraging would deep-copy the whole model.
+                callbacks = self.lightning_module.trainer.callbacks
+                shard_weight_averaging(callbacks)
+                self._weight_averaging = averaged_copy_place(callbacks)
 
     def set_world_ranks(self) -> None:
         self._set_world_ranks()
@@ -309,6 +315,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         checkpoint = self.checkpoint_io.load_into(
             path,
             self.model,
@@ -316,10 +323,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
             absent=names_to_skip_on_resume(path, self.model),
+            averaged=averaged_models(self.lightning_module.trainer.callbacks) if fitting else None,
         )
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
         if LAYOUT_KEY in checkpoint:  # written by a Fabric program: weights, optimizer states and its own entries
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if fitting:
                 raise ValueError(
                     f"The checkpoint {path} was written by a Fabric program: it holds weights and optimizer states "
                     "but no Trainer loop or scheduler state, so `fit(ckpt_path=...)` cannot resume from it. To train "
