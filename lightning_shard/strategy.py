@@ -4,7 +4,9 @@ Lightning calls the hooks below in this order: ``setup_environment`` (process gr
 ``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
 materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation micro-batches
 (it skips the gradient reduce-scatter only under ``gradient_accumulation="unsharded"``), and ``save_checkpoint`` /
-``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. What it shares with the Fabric front-end
+``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. ``setup_environment`` also gives
+Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ...) their sharded copy
+(:mod:`lightning_shard.averaging`). What it shares with the Fabric front-end
 (:class:`lightning_shard.fabric.ShardedStrategy`) lives in :class:`~lightning_shard.strategy_core.ShardedStrategyCore`.
 """
 
@@ -31,7 +33,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.averaging.callbacks import averaged_copy_place, averaged_models, shard_weight_averaging
+from lightning_shard.averaging.callbacks import (
+    averaged_copy_place,
+    averaged_models,
+    copy_for_evaluation,
+    shard_weight_averaging,
+)
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
@@ -316,6 +323,9 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # Fit restores the weight-averaging callback's copy; evaluation evaluates a checkpoint's averaged weights.
+        callbacks = self.lightning_module.trainer.callbacks
+        averaged = averaged_models(callbacks) if fitting else copy_for_evaluation(path, self.lightning_module)
         checkpoint = self.checkpoint_io.load_into(
             path,
             self.model,
@@ -323,8 +333,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
             absent=names_to_skip_on_resume(path, self.model),
-            averaged=averaged_models(self.lightning_module.trainer.callbacks) if fitting else None,
+            averaged=averaged,
         )
+        for copy in [] if fitting else averaged.values():
+            copy.copy_to(self.lightning_module)
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
         if LAYOUT_KEY in checkpoint:  # written by a Fabric program: weights, optimizer states and its own entries
             if fitting:

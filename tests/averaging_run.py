@@ -13,7 +13,8 @@ steps, validation every 2 steps. Each records after every optimizer step the ave
 and the final weights. Scenarios:
 
 * ``ema``: ``EMAWeightAveraging(decay=0.8)``, the model built in ``configure_model`` (where it was built is recorded),
-  sharded checkpoints at every epoch end; after fit, ``validate`` again. ``custom``: a ``WeightAveraging`` subclass
+  sharded checkpoints at every epoch end; after fit, ``validate`` again, and a Trainer without the callback
+  validates the step-8 checkpoint. ``custom``: a ``WeightAveraging`` subclass
   with ``multi_avg_fn`` and its own ``should_update``. ``swa``: ``WeightAveraging()`` (equal weights).
   ``bf16_mixed`` (full checkpoints at every epoch end, ``validate`` after fit) / ``bf16_true``: ``ema`` in those
   precisions.
@@ -165,8 +166,18 @@ def run_trainer(name: str, args: argparse.Namespace) -> None:
         result["model_bytes"] = sum(p.to_local().nbytes for p in model.parameters())
     if name in ("ema", "bf16_mixed"):
         result["val_after_fit"] = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
+    if name == "ema":
+        result["val_from_checkpoint"] = _validate_checkpoint(args.out / name / "epoch=1-step=8.ckpt", args)
     if trainer.is_global_zero:
         torch.save(result, args.out / f"{name}.pt")
+
+
+def _validate_checkpoint(path: Path, args: argparse.Namespace) -> float:
+    """``validate(ckpt_path=...)`` by a Trainer without the averaging callback, on a fresh model."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=_strategy("ema", args, None), limit_val_batches=2, **QUIET
+    )
+    return trainer.validate(BuiltWhere(build="configure"), loader(), ckpt_path=path, verbose=False)[0]["val_loss"]
 
 
 def _strategy(name: str, args: argparse.Namespace, state_dict_type: str | None) -> Any:

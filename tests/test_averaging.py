@@ -72,6 +72,14 @@ def test_averaged_weights_match_lightnings_callback_after_every_step(runs: dict[
     assert max_weight_diff(two["final"], two["steps"][-1]["averaged"]) == 0.0
 
 
+def test_evaluating_a_checkpoint_evaluates_its_averaged_weights(runs: dict[str, Path]) -> None:
+    # Lightning's callback writes the averaged weights as the checkpoint's `state_dict`; here they sit beside the
+    # trained ones, and validate / test / predict from the checkpoint take them, with or without the callback.
+    two, ref = load(runs, "two", "ema"), load(runs, "ref", "ema")
+    assert two["val_from_checkpoint"] == two["validations"][-1]["val_loss"]
+    assert two["val_from_checkpoint"] == pytest.approx(ref["val_from_checkpoint"], abs=TOL)
+
+
 def test_the_model_is_built_by_the_strategy_not_copied_by_the_callback(runs: dict[str, Path]) -> None:
     # Lightning's callback calls `configure_model()` itself in `setup` and deep-copies the whole model; here the
     # strategy builds it on the meta device and the copy is made of the shards.

@@ -186,7 +186,8 @@ class ShardedAveragedModel(nn.Module):
     @contextmanager
     def swapped_in(self) -> Generator[None, None, None]:
         """The model computes with the averaged values inside the block (validation, sampling); its own come back
-        after it. Every rank must enter it: the model's gathered copies are dropped (no communication)."""
+        after it. Each rank swaps its own shards, without communication; the model's calls inside the block gather
+        as always, so every rank makes them."""
         self.swap_in()
         try:
             yield

@@ -16,8 +16,10 @@ subclass's own methods still win. What changes:
   when Lightning's callback runs them (its hooks are unchanged); they work on the local shards, no communication.
 * Checkpoints keep the model's trained weights under ``state_dict`` and the averaged copy under
   ``"averaged_model"`` (``AveragedModel``'s state dict: ``module.<name>``, ``n_averaged``), sharded or gathered with
-  the model. Lightning's callback instead moves the trained weights to ``current_model_state`` and writes the
-  averaged ones into ``state_dict``.
+  the model; ``fit(ckpt_path=...)`` restores both. Lightning's callback instead moves the trained weights to
+  ``current_model_state`` and writes the averaged ones into ``state_dict``, so that evaluating one of its checkpoints
+  evaluates the averaged weights; validate / test / predict from a checkpoint holding a copy do the same here
+  (:func:`copy_for_evaluation`), with or without the callback.
 
 ``StochasticWeightAveraging`` is refused before training: it deep-copies the model in ``setup`` and retunes the
 learning rate and batch-norm epochs around that copy. ``WeightAveraging()`` with its default ``avg_fn`` computes the
@@ -27,14 +29,17 @@ same equal-weight average, sharded.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_shard.averaging.averaged_model import ShardedAveragedModel
+from lightning_shard.checkpoint.averaged import holds_averaged_copy
 from lightning_shard.checkpoint.layout import TRAINER_LAYOUT
 
 if TYPE_CHECKING:
@@ -61,9 +66,9 @@ class ShardedWeightAveraging(WeightAveraging):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Nothing to copy yet: the strategy builds (`configure_model()` on the meta device) and shards the model after
-        # the callbacks' `setup`. The copy of an earlier fit goes, as Lightning's `setup` replaces it.
-        if stage == "fit":
-            self._average_model = None
+        # the callbacks' `setup`. The copy of an earlier fit goes, also before validate / test / predict: the model
+        # holds its values since that fit ended, and a checkpoint loaded now brings its own.
+        self._average_model = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -145,6 +150,21 @@ def shard_weight_averaging(callbacks: list[Callback]) -> None:
     for callback in averaging:
         if not isinstance(callback, ShardedWeightAveraging):
             callback.__class__ = _sharded_class(type(callback))
+
+
+def copy_for_evaluation(path: str, module: nn.Module) -> dict[str, ShardedAveragedModel]:
+    """Where validate / test / predict load a checkpoint that holds an averaged copy: a copy of ``module`` for the load
+    to fill, whose values then replace the module's (:meth:`ShardedAveragedModel.copy_to`), so that the averaged
+    weights are evaluated, as with Lightning's own callbacks, whose checkpoints hold them as ``state_dict``. Empty
+    for a checkpoint without one. Call on every rank.
+
+    Example:
+        >>> copy_for_evaluation("out/best.ckpt", sharded_module)  # doctest: +SKIP
+        {'averaged_model': ShardedAveragedModel(...)}
+    """
+    if not Path(path).exists() or not holds_averaged_copy(path):
+        return {}  # a missing path is left to the load to report
+    return {AVERAGED_KEY: ShardedAveragedModel(module)}
 
 
 def averaged_models(callbacks: list[Callback]) -> dict[str, ShardedAveragedModel]:

@@ -7,12 +7,19 @@ A checkpoint keeps an averaged copy (:class:`~lightning_shard.averaging.ShardedA
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.io import _recorded_layout, is_sharded_checkpoint
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
+from lightning_shard.checkpoint.ranks import broadcast_object, rank
 
 # The prefix of the weights' names in an averaged copy's state dict.
 AVERAGED_NAME_PREFIX = "module."
@@ -26,6 +33,38 @@ def averaged_key(layout: StateLayout, holds: Collection[str]) -> str | None:
         'averaged_model'
     """
     return next((key for key in layout.averaged if key in holds), None)
+
+
+def holds_averaged_copy(path: _PATH) -> bool:
+    """Whether the checkpoint at ``path`` (either format) holds an averaged copy; call on every rank (rank 0 alone
+    opens a full file). Every rank reaches the same answer, or raises the same error.
+
+    Example:
+        >>> holds_averaged_copy("out/last.ckpt")  # doctest: +SKIP
+        True
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return bool(integrity.agreed(lambda: _sharded_holds(path)))
+    return bool(broadcast_object(integrity.agreed(lambda: _full_holds(path), rank() == 0)))
+
+
+def _sharded_holds(path: Path) -> bool:
+    metadata = integrity.read_metadata(path)
+    return averaged_key(_recorded_layout(path, metadata), top_level_keys(metadata)) is not None
+
+
+def top_level_keys(metadata: Metadata) -> set[str]:
+    """The top-level keys of a sharded checkpoint's state (``state_dict``, ``averaged_model``, ...)."""
+    return {name.split(".", 1)[0] for name in metadata.state_dict_metadata}
+
+
+def _full_holds(path: Path) -> bool:
+    mmap = zipfile.is_zipfile(path)  # a file in torch's legacy format cannot be mapped; it is read
+    checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
+    if not isinstance(checkpoint, dict):
+        return False
+    return averaged_key(StateLayout.from_record(checkpoint.get(LAYOUT_KEY)), set(checkpoint)) is not None
 
 
 def averaged_state_dict(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:

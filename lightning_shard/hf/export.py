@@ -47,7 +47,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_shard.checkpoint.averaged import AVERAGED_NAME_PREFIX, averaged_key
+from lightning_shard.checkpoint.averaged import AVERAGED_NAME_PREFIX, averaged_key, top_level_keys
 from lightning_shard.checkpoint.integrity import (
     _listed,
     check_sharded,
@@ -56,7 +56,13 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
     read_metadata,
 )
-from lightning_shard.checkpoint.io import MODEL_KEY, _staging_path, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.io import (
+    MODEL_KEY,
+    _recorded_layout,
+    _staging_path,
+    is_sharded_checkpoint,
+    read_sharded_keys,
+)
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 from lightning_shard.checkpoint.publish import publish
 from lightning_shard.cpu.heap import release_freed_heap
@@ -448,14 +454,12 @@ class _Checkpoint:
 
 def _open_checkpoint(path: Path, weights: Weights = "trained") -> _Checkpoint:
     if is_sharded_checkpoint(path):
-        saved = check_sharded(path).state_dict_metadata
-        recorded = read_sharded_keys(path, {LAYOUT_KEY})[LAYOUT_KEY] if LAYOUT_KEY in saved else None
-        holds = {name.split(".", 1)[0] for name in saved}
-        entry, prefix = _weights_entry(path, weights, StateLayout.from_record(recorded), holds)
+        metadata = check_sharded(path)
+        entry, prefix = _weights_entry(path, weights, _recorded_layout(path, metadata), top_level_keys(metadata))
         stem = f"{entry}.{prefix}"
         entries = {
             key[len(stem) :]: meta
-            for key, meta in saved.items()
+            for key, meta in metadata.state_dict_metadata.items()
             if key.startswith(stem) and isinstance(meta, TensorStorageMetadata)
         }
 
