@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     PeakRSS,
+    launch_worker,
     machine,
     median,
     random_token_dataset,
-    status_mib,
     write_json,
 )
 
@@ -62,28 +59,11 @@ def _worker(args: argparse.Namespace) -> None:
     from benchmarks.common import sharded_trainer
     from examples.gpt.model import GPT
 
-    class UpdateWindow:
-        """The anonymous RSS sampled every millisecond between the two clocks: what the update allocates."""
-
-        def open(self) -> None:
-            self.start = self.peak = status_mib("RssAnon")["RssAnon"]
-            self.done = threading.Event()
-            self.sampler = threading.Thread(target=self._sample, daemon=True)
-            self.sampler.start()
-
-        def _sample(self) -> None:
-            while not self.done.wait(0.001):
-                self.peak = max(self.peak, status_mib("RssAnon")["RssAnon"])
-
-        def close(self) -> float:
-            self.done.set()
-            self.sampler.join()
-            return max(self.peak, status_mib("RssAnon")["RssAnon"]) - self.start
-
     class Clock(L.Callback):
         """Timestamps of each step's moments; one instance before and one after the averaging callback."""
 
-        def __init__(self, last: bool, window: UpdateWindow) -> None:
+        def __init__(self, last: bool, window: dict[str, PeakRSS]) -> None:
+            # `window`: shared by the two clocks, the memory sampled while the averaging callback runs
             self.last, self.window, self.marks = last, window, []
 
         def on_train_batch_start(self, *_: Any) -> None:
@@ -96,10 +76,11 @@ def _worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, *_: Any) -> None:
             if self.last:
-                self.marks.append({"end": time.perf_counter(), "update_mib": self.window.close()})
+                allocated = self.window.pop("update").result()["peak_anon_over_start_mib"]
+                self.marks.append({"end": time.perf_counter(), "update_mib": allocated})
             else:
                 self.marks[-1]["end"] = time.perf_counter()
-                self.window.open()
+                self.window["update"] = PeakRSS(reset_high_water_mark=False)
 
     class TrainingPeak(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -109,7 +90,7 @@ def _worker(args: argparse.Namespace) -> None:
             self.figures = self.peak.result()
 
     L.seed_everything(0, verbose=False)
-    window = UpdateWindow()
+    window: dict[str, PeakRSS] = {}
     before, after, peak = Clock(last=False, window=window), Clock(last=True, window=window), TrainingPeak()
     averaging = [EMAWeightAveraging()] if args.worker == "ema" else []
     trainer = sharded_trainer(2, [before, *averaging, after, peak], max_steps=args.steps)
@@ -139,20 +120,6 @@ def _worker(args: argparse.Namespace) -> None:
     if trainer.is_global_zero:
         total = sum(p.numel() for p in model.parameters())
         Path(args.out).write_text(json.dumps({"params": total, "ranks": records}))
-
-
-def launch(run: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Train ``run`` once on 2 CPU ranks; the per-rank records."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", run, "--out", str(out)]
-    cmd += ["--steps", str(args.steps), "--batch-size", str(args.batch_size)]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the launcher sets threads per rank
-    proc = subprocess.run(cmd, env={**env, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
-        raise SystemExit(f"{run} failed with exit code {proc.returncode}")
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
 
 
 # ------------------------------------------------------------------ driver side
@@ -241,7 +208,8 @@ def main() -> None:
         _worker(args)
         return
     started = time.perf_counter()
-    results = {run: launch(run, args, args.out.with_suffix(f".{run}.tmp")) for run in RUNS}
+    sizes = ("--steps", str(args.steps), "--batch-size", str(args.batch_size))
+    results = {run: launch_worker(__file__, "--worker", run, *sizes) for run in RUNS}
     command = f"python benchmarks/weight_averaging.py --steps {args.steps} --batch-size {args.batch_size}"
     report = summarise(results, args)
     write_json(args.out, {"command": command, "machine": machine(), "results": results, "report": report})
