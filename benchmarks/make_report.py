@@ -30,6 +30,7 @@ EXPECTED = {
     "meta_build": "python benchmarks/meta_build.py",
     "hf_loading": "python benchmarks/hf_loading.py",
     "preemption": "python benchmarks/preemption.py",
+    "weight_averaging": "python benchmarks/weight_averaging.py",
     "gpu_check": "python benchmarks/gpu_check.py",
 }
 # Why an expected result may be missing, where the reason is known.

@@ -165,9 +165,14 @@ def summarise(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
         f"{'met' if worst < TARGET else 'not met'}); foreach update {', '.join(f'{t:.1f}' for t in throughputs)} "
         "GiB/s (12 B per local parameter: the copy read and written, the shard read)."
     )
+    spread = max(
+        abs(ranks[0]["peak_rss_training_mib"] - ranks[1]["peak_rss_training_mib"])
+        for ranks in (results[run]["ranks"] for run in RUNS)
+    )
     notes.append(
         "Added: the ema run's RSS when training starts and its peak RSS during training, minus the baseline's, per "
-        "rank (separate launches on a shared 2-vCPU machine: RSS differs by tens of MiB between identical runs). "
+        f"rank (separate launches on a shared 2-vCPU machine; the two ranks of one run differ by up to {spread:.0f} "
+        "MiB in peak RSS, so the peak's difference is that noisy). "
         "Allocated by the update: the anonymous RSS sampled every millisecond while the averaging callback runs, over "
         "its value before (the baseline's column is the same window with nothing in it)."
     )

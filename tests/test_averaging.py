@@ -12,6 +12,7 @@ averaging function, with and without buffers.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from lightning_shard.averaging.callbacks import (
     shard_weight_averaging,
 )
 from lightning_shard.checkpoint import convert, read_sharded_keys
-from lightning_shard.memory import estimate_memory
+from lightning_shard.memory import estimate_main, estimate_memory
 from lightning_shard.memory.auto_sharding import choose_sharding
 
 TOL = 1e-6
@@ -316,6 +317,20 @@ def test_the_estimate_counts_the_averaged_copy_where_it_is_kept() -> None:
     assert choose_sharding(model, **settings, device_memory_bytes=budget, weight_averaging="cpu").sharding_strategy == (
         "NO_SHARD"
     )
+
+
+def test_the_estimate_command_reads_the_callback_from_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "ema.yaml"
+    model = "model:\n  class_path: torch.nn.Linear\n  init_args: {in_features: 64, out_features: 32}\n"
+    per_rank = (64 * 32 + 32) * 4 // 2
+    for callback, place in (("EMAWeightAveraging", "device"), ("lightning.pytorch.callbacks.WeightAveraging", "cpu")):
+        device = "{device: cpu}" if place == "cpu" else "{decay: 0.99}"
+        callbacks = f"  callbacks:\n  - class_path: {callback}\n    init_args: {device}\n"
+        config.write_text(f"trainer:\n  devices: 2\n{callbacks}{model}")
+        assert estimate_main(["--config", str(config), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[place]["averaged_weights"] == per_rank
 
 
 # ------------------------------------------------------------------ export and sampling
