@@ -85,10 +85,13 @@ class PeakRSS:
     maps (safetensors and ``torch.load(mmap=True)`` read through mmap): clean page cache that the kernel can drop.
     A thread also samples the anonymous part (RssAnon, the memory the work really allocates) every millisecond;
     a sample can miss a peak shorter than that, or one inside a call that holds the GIL.
+    ``reset_high_water_mark=False`` leaves the kernel's mark alone, for a measure inside another one: then only the
+    sampled anonymous peak (``peak_anon_over_start_mib``) is this measure's.
     """
 
-    def __init__(self) -> None:
-        Path("/proc/self/clear_refs").write_text("5")  # "5": reset the peak RSS to the current RSS
+    def __init__(self, reset_high_water_mark: bool = True) -> None:
+        if reset_high_water_mark:
+            Path("/proc/self/clear_refs").write_text("5")  # "5": reset the peak RSS to the current RSS
         self.start = status_mib("VmRSS", "RssAnon")
         self.peak_anon = self.start["RssAnon"]
         self.start_time = time.perf_counter()

@@ -31,6 +31,7 @@ EXPECTED = {
     "hf_loading": "python benchmarks/hf_loading.py",
     "pretrained_hash": "python benchmarks/pretrained_hash.py",
     "preemption": "python benchmarks/preemption.py",
+    "weight_averaging": "python benchmarks/weight_averaging.py",
     "gpu_check": "python benchmarks/gpu_check.py",
 }
 # Why an expected result may be missing, where the reason is known.

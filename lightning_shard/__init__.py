@@ -13,6 +13,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard import fabric, hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
+from lightning_shard.averaging import ShardedAveragedModel
 from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
 from lightning_shard.config import ShardingConfig
 from lightning_shard.memory import (
@@ -35,6 +36,7 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryEstimate",
     "PreemptionCheckpoint",
+    "ShardedAveragedModel",
     "ShardedCheckpointIO",
     "ShardedMemoryMonitor",
     "ShardedPrecision",

@@ -4,6 +4,7 @@ lightning-shard convert out/last.ckpt out/last-full.ckpt      # sharded director
 lightning-shard convert out/last-full.ckpt out/sharded.ckpt    # one file -> sharded directory
 lightning-shard inspect out/last.ckpt
 lightning-shard export-hf out/last.ckpt out/hf --config out/pretrained   # -> AutoModelForCausalLM.from_pretrained
+lightning-shard export-hf out/last.ckpt out/ema --config out/pretrained --weights averaged  # the EMA weights
 lightning-shard export-hf out/last.ckpt out/merged --config out/pretrained --merge-lora  # a LoRA run, merged
 lightning-shard export-hf out/last.ckpt out/lora --config out/pretrained --adapter-only  # -> PeftModel.from_pretrained
 lightning-shard estimate --config configs/gpt3_13b.yaml --devices 8 --json
@@ -41,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--dtype",
         help="dtype of the weights written: 'config' (default: what config.json names, as save_pretrained writes), "
         "'checkpoint' (e.g. fp32 master weights), or a dtype such as bfloat16; config.json names the one written",
+    )
+    export_parser.add_argument(
+        "--weights",
+        choices=("trained", "averaged"),
+        default="trained",
+        help="the trained weights (default) or their averaged copy (EMA/SWA: a weight-averaging callback's, or a "
+        "ShardedAveragedModel saved with fabric.save)",
     )
     lora = export_parser.add_mutually_exclusive_group()
     lora.add_argument("--merge-lora", action="store_true", help="a peft LoRA run: the model with the adapters merged")
@@ -90,6 +98,8 @@ def _export_hf(args: argparse.Namespace) -> None:
 
     if args.adapter_only:
         given = [flag for flag, value in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size)) if value]
+        if args.weights == "averaged":
+            raise ValueError("`--adapter-only` writes the trained adapter; `--weights averaged` exports a whole model.")
         if given:
             raise ValueError(f"{' and '.join(given)}: the adapter is written in one file, in the checkpoint's dtype.")
         done = export_adapter(
@@ -105,6 +115,7 @@ def _export_hf(args: argparse.Namespace) -> None:
             dtype=args.dtype or "config",
             merge_lora=args.merge_lora,
             lora_config=args.lora_config,
+            weights=args.weights,
         )
     print(
         f"exported {done.num_tensors} tensors ({done.total_bytes / 2**20:.1f} MiB) under prefix {done.prefix!r} "

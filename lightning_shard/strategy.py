@@ -4,7 +4,9 @@ Lightning calls the hooks below in this order: ``setup_environment`` (process gr
 ``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
 materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation micro-batches
 (it skips the gradient reduce-scatter only under ``gradient_accumulation="unsharded"``), and ``save_checkpoint`` /
-``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. What it shares with the Fabric front-end
+``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. ``setup_environment`` also gives
+Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ...) their sharded copy
+(:mod:`lightning_shard.averaging`). What it shares with the Fabric front-end
 (:class:`lightning_shard.fabric.ShardedStrategy`) lives in :class:`~lightning_shard.strategy_core.ShardedStrategyCore`.
 """
 
@@ -30,6 +32,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.averaging.callbacks import (
+    averaged_copy_place,
+    averaged_models,
+    copy_for_evaluation,
+    shard_weight_averaging,
+)
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
 from lightning_shard.checkpoint.model_checkpoint import link_when_published
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
@@ -199,6 +207,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if self.lightning_module is not None:
             # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.
             self.lightning_module._device_mesh = self._device_mesh
+            if self.lightning_module._trainer is not None:
+                # Before the callbacks' `setup`, where Lightning's WeightAveraging would deep-copy the whole model.
+                callbacks = self.lightning_module.trainer.callbacks
+                shard_weight_averaging(callbacks)
+                self._weight_averaging = averaged_copy_place(callbacks)
 
     def set_world_ranks(self) -> None:
         self._set_world_ranks()
@@ -324,6 +337,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.model is not None
         assert self.lightning_module is not None
         path = self.broadcast(str(checkpoint_path))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # Fit restores the weight-averaging callback's copy; evaluation evaluates a checkpoint's averaged weights.
+        callbacks = self.lightning_module.trainer.callbacks
+        averaged = averaged_models(callbacks) if fitting else copy_for_evaluation(path, self.lightning_module)
         checkpoint = self.checkpoint_io.load_into(
             path,
             self.model,
@@ -331,10 +348,13 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
             absent=names_to_skip_on_resume(path, self.model),
+            averaged=averaged,
         )
+        for copy in [] if fitting else averaged.values():
+            copy.copy_to(self.lightning_module)
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
         if LAYOUT_KEY in checkpoint:  # written by a Fabric program: weights, optimizer states and its own entries
-            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if fitting:
                 raise ValueError(
                     f"The checkpoint {path} was written by a Fabric program: it holds weights and optimizer states "
                     "but no Trainer loop or scheduler state, so `fit(ckpt_path=...)` cannot resume from it. To train "

@@ -87,6 +87,8 @@ class ShardedStrategyCore:
         self._preemption = settings.preemption
         self._num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
+        # Where a weight-averaging copy will be kept ("device" / "cpu"), for "auto" sharding's estimate.
+        self._weight_averaging: str | None = None
         self._heap_trimmer = _heap_trimmer(settings.config.cpu_collectives)
         if not settings.async_save:
             return checkpoint_io
@@ -233,6 +235,7 @@ class ShardedStrategyCore:
             gradient_accumulation=self.config.gradient_accumulation,
             device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),
             can_offload=self.root_device.type == "cuda",
+            weight_averaging=self._weight_averaging,  # type: ignore[arg-type]
         )
         # Rank 0 decides for all: nodes may report different memory.
         choice = self.broadcast(choice)

@@ -2,7 +2,8 @@
 
 FSDP2, torch.distributed.checkpoint and torch's dispatch machinery leave a few things we need without a public
 name: the FSDP state behind a module, the parameter re-registration after ``_apply``, DCP's nested-dict writer and
-its archive reader, the Hugging Face reader's per-request hook, the memory tracker's categories. Each is reached
+its archive reader, the Hugging Face reader's per-request hook, the memory tracker's categories, a module's
+non-persistent buffers, the decay inside ``get_ema_avg_fn``'s function. Each is reached
 through this module only, so that a torch release that moves one breaks here, loudly, and in
 ``tests/test_torch_compat.py``, which exercises every name below.
 
@@ -18,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import _gc_context as gc_paused  # 
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.utils import _create_file_view as file_view  # noqa: F401  (re-exported)
 from torch.distributed.fsdp import FSDPModule
+from torch.optim.swa_utils import get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (re-exported)
 
@@ -128,6 +131,49 @@ def reregister_sharded_parameters(module: FSDPModule) -> None:
         >>> reregister_sharded_parameters(unit)  # doctest: +SKIP
     """
     module._apply(lambda tensor: tensor, recurse=False)
+
+
+# ---------------------------------------------------------------------------------------------------- averaging
+
+
+def is_persistent_buffer(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` is part of its state dict (``register_buffer(persistent=True)``).
+
+    Example:
+        >>> norm = nn.BatchNorm1d(2)
+        >>> is_persistent_buffer(norm, "running_mean")
+        True
+    """
+    return name not in module._non_persistent_buffers_set
+
+
+# The code objects of the functions ``get_ema_avg_fn`` / ``get_swa_avg_fn`` return (inside ``torch.no_grad``'s
+# wrapper): how a function is recognised as one of them.
+_EMA_AVG_CODE = inspect.unwrap(get_ema_avg_fn()).__code__
+_SWA_AVG_CODE = inspect.unwrap(get_swa_avg_fn()).__code__
+
+
+def foreach_form(avg_fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """torch's multi-tensor (``_foreach``) form of an averaging function made by ``torch.optim.swa_utils``'s
+    ``get_ema_avg_fn(decay)`` / ``get_swa_avg_fn()``: ``get_ema_multi_avg_fn(decay)`` / ``get_swa_multi_avg_fn()``,
+    the same averages computed for a list of tensors at once. ``None`` for any other function, which is then called
+    tensor by tensor as ``AveragedModel`` calls it. The decay is read from the function's closure.
+
+    Example:
+        >>> foreach_form(get_ema_avg_fn(0.99)).__qualname__
+        'get_ema_multi_avg_fn.<locals>.ema_update'
+        >>> foreach_form(lambda averaged, current, n: current) is None
+        True
+    """
+    if avg_fn is None:
+        return None
+    function = inspect.unwrap(avg_fn)
+    code = getattr(function, "__code__", None)
+    if code is _EMA_AVG_CODE:
+        return get_ema_multi_avg_fn(inspect.getclosurevars(function).nonlocals["decay"])
+    if code is _SWA_AVG_CODE:
+        return get_swa_multi_avg_fn()
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- DCP

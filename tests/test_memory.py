@@ -188,6 +188,7 @@ def test_estimate_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "optimizer_states",
         "gathered_peak",
         "activations",
+        "averaged_weights",
     }
     assert payload["device"]["total_bytes"] + payload["cpu"]["total_bytes"] == per_rank["total_bytes"]
     assert per_rank["total_bytes"] == sum(v for k, v in per_rank.items() if k != "total_bytes")

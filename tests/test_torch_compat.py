@@ -102,6 +102,31 @@ def test_checkpoint_wrapper_names_and_hidden_module_names() -> None:
     assert torch_compat.CHECKPOINT_WRAPPED_MODULE in torch_compat.HIDDEN_MODULE_NAMES
 
 
+# ------------------------------------------------------------------------------------------- averaging
+
+
+def test_foreach_form_of_torchs_averaging_functions() -> None:
+    from torch.optim.swa_utils import get_ema_avg_fn, get_swa_avg_fn
+
+    averaged, current = [torch.zeros(3), torch.ones(2)], [torch.ones(3), torch.zeros(2)]
+    expected = [get_ema_avg_fn(0.75)(a, c, 1) for a, c in zip(averaged, current, strict=True)]
+    torch_compat.foreach_form(get_ema_avg_fn(0.75))(averaged, current, torch.tensor(1))
+    assert all(torch.equal(a, e) for a, e in zip(averaged, expected, strict=True))  # the decay was read
+    averaged = [torch.zeros(3)]
+    torch_compat.foreach_form(get_swa_avg_fn())(averaged, [torch.full((3,), 3.0)], torch.tensor(2))
+    assert torch.equal(averaged[0], torch.ones(3))  # 0 + (3 - 0) / 3
+    assert torch_compat.foreach_form(torch.no_grad()(lambda a, c, n: c)) is None
+    assert torch_compat.foreach_form(None) is None
+
+
+def test_is_persistent_buffer() -> None:
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("computed", torch.zeros(1), persistent=False)
+    assert torch_compat.is_persistent_buffer(module, "kept")
+    assert not torch_compat.is_persistent_buffer(module, "computed")
+
+
 # ------------------------------------------------------------------------------------------- DCP
 
 

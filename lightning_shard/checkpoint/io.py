@@ -1,8 +1,9 @@
 """``ShardedCheckpointIO``: sharded (torch.distributed.checkpoint) and full (one ``torch.save`` file) checkpoints.
 
 Formats - both hold the whole checkpoint: the Trainer's, model weights under ``"state_dict"`` with the plain module's
-parameter names and optimizer states under ``"optimizer_states"`` keyed by parameter names, or a Fabric ``state``
-(weights and optimizer states under the keys the program chose; see :mod:`~lightning_shard.checkpoint.layout`):
+parameter names, optimizer states under ``"optimizer_states"`` keyed by parameter names and a weight-averaging
+callback's copy under ``"averaged_model"``, or a Fabric ``state`` (weights, optimizer states and averaged copies under
+the keys the program chose; see :mod:`~lightning_shard.checkpoint.layout`):
 
 * sharded: a directory written by ``torch.distributed.checkpoint`` (DCP); every rank writes its shards.
   ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, file)`` turns it into a full file.
@@ -31,7 +32,7 @@ import pickle
 import threading
 import warnings
 import zipfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,7 @@ class ShardedCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
         layout: StateLayout = TRAINER_LAYOUT,
         absent: Collection[str] = (),
+        averaged: Mapping[str, nn.Module] | None = None,
     ) -> dict[str, Any]:
         """Load weights (and optimizer states unless ``weights_only``) into the sharded ``model`` and ``optimizers``
         from a checkpoint of either format and either layout; return the rest of the checkpoint (its weights and
@@ -290,7 +292,10 @@ class ShardedCheckpointIO(CheckpointIO):
         Fabric checkpoint. Call on every rank.
 
         ``absent``: model tensors the checkpoint leaves out on purpose (frozen pretrained weights, read from their
-        files): neither expected nor loaded; they keep their values."""
+        files): neither expected nor loaded; they keep their values.
+
+        ``averaged``: averaged copies of the model (``ShardedAveragedModel``) by their key in ``layout``, loaded in
+        place like the model, in the same pass; one the checkpoint does not hold keeps its values."""
         path, is_directory = locate(path)
         optimizers = optimizers if optimizers and not weights_only else []
         # Without autograd, DTensor.to_local() (called per tensor by DCP's planner) is an attribute read; without
@@ -298,8 +303,8 @@ class ShardedCheckpointIO(CheckpointIO):
         # torch's own state-dict functions).
         with torch.no_grad(), gc_paused():
             if is_directory:  # sharded; a directory without `.metadata` is named as such by the check
-                return self._load_sharded(path, model, optimizers, strict, layout, set(absent))
-            return self._load_full(path, model, optimizers, strict, layout, set(absent))
+                return self._load_sharded(path, model, optimizers, strict, layout, set(absent), averaged or {})
+            return self._load_full(path, model, optimizers, strict, layout, set(absent), averaged or {})
 
     def load_raw_into(self, path: _PATH, model: nn.Module, strict: bool = True) -> None:
         """Load a file holding only a state dict (``torch.save(model.state_dict(), path)``) into the sharded
@@ -315,7 +320,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 "`fabric.load(path, {'model': model})`."
             )
         with torch.no_grad(), gc_paused():
-            self._load_full(path, model, [], strict, None, set())
+            self._load_full(path, model, [], strict, None, set(), {})
 
     def _load_sharded(
         self,
@@ -325,12 +330,16 @@ class ShardedCheckpointIO(CheckpointIO):
         strict: bool,
         layout: StateLayout,
         absent: set[str],
+        averaged: Mapping[str, nn.Module],
     ) -> dict:
         model_state, optimizer_states = _live_states(model, optimizers)
         saved_state = {name: value for name, value in model_state.items() if name not in absent}
+        averaged_states = {key: get_model_state_dict(module) for key, module in averaged.items()}
         # Every rank checks the files and the keys, then all agree: a damaged or mismatched checkpoint raises
         # the same error everywhere instead of failing inside dcp.load on some ranks only.
-        metadata, saved = integrity.agreed(lambda: _check_sharded(path, saved_state, strict))
+        metadata, saved, averaged_sources = integrity.agreed(
+            lambda: _check_sharded(path, saved_state, strict, layout, averaged_states)
+        )
         sources = layout.sources(saved, len(optimizers))
         saved_paths = [tuple((metadata.planner_data or {}).get(key, (key,))) for key in metadata.state_dict_metadata]
         if any(not any(saved_path[: len(source)] == source for saved_path in saved_paths) for source in sources):
@@ -339,6 +348,8 @@ class ShardedCheckpointIO(CheckpointIO):
         set_element(target, (saved.model,), saved_state)
         for source, state in zip(sources, optimizer_states, strict=True):
             set_element(target, (*source, "state"), state["state"])
+        for key, source in averaged_sources.items():
+            set_element(target, (source,), averaged_states[key])
         # One pass over the files for everything: the live shards are filled in place, the rest of the checkpoint
         # (loops, callbacks, ..., param groups) is read into `target` alongside; `.metadata` is not read again.
         _add_saved_entries(target, metadata, saved, sources)
@@ -350,6 +361,8 @@ class ShardedCheckpointIO(CheckpointIO):
         model_state.update(target[saved.model])
         loaded = [lookup(target, source) for source in sources]
         _set_live_states(model, optimizers, model_state, loaded, strict)
+        for key in averaged_sources:
+            set_model_state_dict(averaged[key], averaged_states[key], options=StateDictOptions(strict=strict))
         return _without_states(target, saved)
 
     def _load_full(
@@ -360,44 +373,73 @@ class ShardedCheckpointIO(CheckpointIO):
         strict: bool,
         layout: StateLayout | None,
         absent: set[str],
+        averaged: Mapping[str, nn.Module],
     ) -> dict:
         # Rank 0 alone maps and checks the file (its data is read later, unit by unit); the others learn its
         # verdict before waiting in the broadcasts, and receive their shards without touching the file.
         model_state = self.model_state(model, full=False, leave_out=absent)
-        found = integrity.agreed(lambda: _check_full(path, model_state, strict, layout, len(optimizers)), rank() == 0)
-        checkpoint, weights, optimizer_states = found or ({}, None, None)
+        averaged_states = {key: get_model_state_dict(module) for key, module in averaged.items()}
+        found = integrity.agreed(
+            lambda: _check_full(path, model_state, strict, layout, len(optimizers), averaged_states), rank() == 0
+        )
+        checkpoint, weights, optimizer_states, averaged_weights = found or ({}, None, None, {})
         if optimizers and not broadcast_object(optimizer_states is not None):
             raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
         load_full_unit_by_unit(weights, optimizer_states, model, optimizers, strict=strict, mapped_file=path)
+        for key in broadcast_object(sorted(averaged_weights)):
+            load_full_unit_by_unit(averaged_weights.get(key), None, averaged[key], [], strict=strict, mapped_file=path)
         # Copied: nothing handed to Lightning may keep the mapped file alive (a ModelCheckpoint score is a tensor).
         return broadcast_object(copy.deepcopy(checkpoint))
 
 
-def _check_sharded(path: Path, model_state: dict[str, Any], strict: bool) -> tuple[Metadata, StateLayout]:
-    """The files whole and the weights' names and shapes against the model's: the metadata and the layout."""
+def _check_sharded(
+    path: Path, model_state: dict[str, Any], strict: bool, layout: StateLayout, averaged_states: dict[str, Any]
+) -> tuple[Metadata, StateLayout, dict[str, str]]:
+    """The files whole and the weights' names and shapes against the model's (and the averaged copies' against
+    theirs): the metadata, the layout, and where the averaged copies the checkpoint holds are (key -> saved key)."""
     metadata = integrity.check_sharded(path)
     saved = _recorded_layout(path, metadata)
     integrity.check_model_fits(path, integrity.sharded_model_shapes(metadata, saved.model), model_state, strict)
-    return metadata, saved
+    averaged_sources = {}
+    for key, state in averaged_states.items():
+        source = layout.averaged_source(saved, key)
+        shapes = integrity.sharded_model_shapes(metadata, source) if source is not None else {}
+        if shapes:
+            integrity.check_model_fits(path, shapes, state, strict)
+            averaged_sources[key] = source
+    return metadata, saved, averaged_sources
 
 
 def _check_full(
-    path: Path, model_state: dict[str, Any], strict: bool, layout: StateLayout | None, optimizers: int
-) -> tuple[dict[str, Any], Any, list[Any] | None]:
-    """Map the file and check its weights against the model's: the checkpoint without its weights and optimizer
-    states, the weights, and the requested optimizers' states (None if the file holds none). ``layout=None``: the
-    file is a bare state dict."""
+    path: Path,
+    model_state: dict[str, Any],
+    strict: bool,
+    layout: StateLayout | None,
+    optimizers: int,
+    averaged_states: dict[str, Any],
+) -> tuple[dict[str, Any], Any, list[Any] | None, dict[str, Any]]:
+    """Map the file and check its weights against the model's (and its averaged copies against ``averaged_states``):
+    the checkpoint without its weights, optimizer states and averaged copies, the weights, the requested optimizers'
+    states (None if the file holds none), and the averaged copies it holds by their key in ``layout``.
+    ``layout=None``: the file is a bare state dict."""
     mmap = zipfile.is_zipfile(path)  # a file in torch's legacy format cannot be mapped; it is read
     checkpoint = integrity.load_full_file(path, map_location="cpu", weights_only=False, mmap=mmap)
     if layout is None:
         integrity.check_model_fits(path, integrity.full_model_shapes(checkpoint, path, None), model_state, strict)
-        return {}, checkpoint, None
+        return {}, checkpoint, None, {}
     saved = StateLayout.from_record(checkpoint.get(LAYOUT_KEY) if isinstance(checkpoint, dict) else None)
     weights = checkpoint.get(saved.model) if isinstance(checkpoint, dict) else None
     integrity.check_model_fits(path, integrity.full_model_shapes(weights, path, saved.model), model_state, strict)
     optimizer_states = [lookup(checkpoint, source) for source in layout.sources(saved, optimizers)]
     found = None if any(state is None for state in optimizer_states) else optimizer_states
-    return _without_states(checkpoint, saved), weights, found
+    averaged_weights = {}
+    for key, state in averaged_states.items():
+        source = layout.averaged_source(saved, key)
+        if source is not None and source in checkpoint:
+            shapes = integrity.full_model_shapes(checkpoint[source], path, source)
+            integrity.check_model_fits(path, shapes, state, strict)
+            averaged_weights[key] = checkpoint[source]
+    return _without_states(checkpoint, saved), weights, found, averaged_weights
 
 
 def _recorded_layout(path: Path, metadata: Metadata) -> StateLayout:

@@ -1,11 +1,12 @@
-"""``StateLayout``: where a checkpoint keeps the model's weights and the optimizers' states.
+"""``StateLayout``: where a checkpoint keeps the model's weights, the optimizers' states and averaged copies.
 
-Lightning's Trainer keeps them under ``"state_dict"`` and ``"optimizer_states"`` (a list); a Fabric program names
-them itself in the ``state`` it hands to ``fabric.save`` (``{"model": model, "optimizer": optimizer, ...}``). The
+Lightning's Trainer keeps them under ``"state_dict"``, ``"optimizer_states"`` (a list) and ``"averaged_model"`` (the
+weight-averaging callback's copy); a Fabric program names them itself in the ``state`` it hands to ``fabric.save``
+(``{"model": model, "optimizer": optimizer, "ema": averaged, ...}``). The
 checkpoint machinery works on either: it shards and reads those entries as tensors and keeps everything else whole.
 A checkpoint records its layout unless it is the Trainer's (whose checkpoints predate the record), so either
 front-end finds the weights and optimizer states in the other's checkpoints: the one model's weights wherever they
-are, optimizer states by name between two Fabric layouts and by position otherwise.
+are, optimizer states and averaged copies by name between two Fabric layouts and by position otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class StateLayout:
         model: the top-level key of the model's state dict.
         optimizers: one top-level key holding a list of optimizer state dicts (the Trainer's), or a tuple of keys,
             one per optimizer (Fabric's, in the order of the ``state`` dict).
+        averaged: the top-level keys of averaged copies of the model (``ShardedAveragedModel`` state dicts), in
+            order; a checkpoint may hold fewer (the Trainer's holds one only with a weight-averaging callback).
 
     Example:
         >>> StateLayout().optimizer_paths(2)
@@ -42,6 +45,7 @@ class StateLayout:
 
     model: str = "state_dict"
     optimizers: str | tuple[str, ...] = "optimizer_states"
+    averaged: tuple[str, ...] = ("averaged_model",)
 
     @property
     def is_trainer(self) -> bool:
@@ -55,7 +59,8 @@ class StateLayout:
 
     def tensor_keys(self) -> set[str]:
         """The top-level keys whose values are trees of tensors (sharded on save, filled in place on load)."""
-        return {self.model, *([self.optimizers] if isinstance(self.optimizers, str) else self.optimizers)}
+        optimizers = [self.optimizers] if isinstance(self.optimizers, str) else self.optimizers
+        return {self.model, *optimizers, *self.averaged}
 
     def sources(self, saved: StateLayout, count: int) -> list[Path]:
         """Where a checkpoint saved in ``saved`` keeps the states of this layout's first ``count`` optimizers.
@@ -76,10 +81,23 @@ class StateLayout:
             raise KeyError(f"The checkpoint holds the states of {len(paths)} optimizer(s), not of {count}.")
         return paths
 
+    def averaged_source(self, saved: StateLayout, key: str) -> str | None:
+        """The key under which a checkpoint saved in ``saved`` may keep this layout's averaged copy ``key``: the same
+        name, else the same position; ``None`` if it has none there.
+
+        Example:
+            >>> StateLayout("model", ("optimizer",), ("ema",)).averaged_source(StateLayout(), "ema")
+            'averaged_model'
+        """
+        if key in saved.averaged:
+            return key
+        index = self.averaged.index(key)
+        return saved.averaged[index] if index < len(saved.averaged) else None
+
     def record(self) -> dict[str, Any]:
         """What is saved under :data:`LAYOUT_KEY`: plain values, readable without lightning_shard."""
         optimizers = self.optimizers if isinstance(self.optimizers, str) else list(self.optimizers)
-        return {"model": self.model, "optimizers": optimizers}
+        return {"model": self.model, "optimizers": optimizers, "averaged": list(self.averaged)}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any] | None) -> StateLayout:
@@ -87,7 +105,9 @@ class StateLayout:
         if not record:
             return TRAINER_LAYOUT
         optimizers = record["optimizers"]
-        return cls(record["model"], optimizers if isinstance(optimizers, str) else tuple(optimizers))
+        optimizers = optimizers if isinstance(optimizers, str) else tuple(optimizers)
+        # Records written before averaged copies were recorded hold none.
+        return cls(record["model"], optimizers, tuple(record.get("averaged", ())))
 
 
 TRAINER_LAYOUT = StateLayout()

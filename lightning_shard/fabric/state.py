@@ -1,8 +1,10 @@
-"""Fabric's ``state`` dict and the checkpoint machinery: which entry is the sharded model, which are optimizers,
-what the rest becomes on save and where it goes on load.
+"""Fabric's ``state`` dict and the checkpoint machinery: which entry is the sharded model, which are optimizers and
+averaged copies (:class:`~lightning_shard.averaging.ShardedAveragedModel`), what the rest becomes on save and where
+it goes on load.
 
-``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})`` writes the model's and the optimizer's
-states under their keys (sharded as DCP tensors, or gathered into one file) and everything else whole; the
+``fabric.save(path, {"model": model, "optimizer": optimizer, "ema": ema, "step": 3})`` writes the model's, the
+optimizer's and the averaged copy's states under their keys (sharded as DCP tensors, or gathered into one file) and
+everything else whole; the
 checkpoint records that layout (:class:`~lightning_shard.checkpoint.layout.StateLayout`), so the Trainer strategy
 finds the weights in it too, and a Trainer checkpoint's ``state_dict`` / ``optimizer_states`` load into a Fabric
 ``state``.
@@ -20,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from lightning_shard.averaging import ShardedAveragedModel
 from lightning_shard.checkpoint.io import ShardedCheckpointIO
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, WORLD_SIZE_KEY, StateLayout
 
@@ -40,11 +43,14 @@ def sharded_model(state: Mapping[str, Any], action: str) -> tuple[str, nn.Module
     return found[0]
 
 
-def layout_of(state: Mapping[str, Any], action: str) -> tuple[nn.Module, dict[str, Optimizer], StateLayout]:
-    """The sharded model, the optimizers by key, and the checkpoint layout they make."""
+def layout_of(
+    state: Mapping[str, Any], action: str
+) -> tuple[nn.Module, dict[str, Optimizer], dict[str, ShardedAveragedModel], StateLayout]:
+    """The sharded model, the optimizers and the averaged copies by key, and the checkpoint layout they make."""
     model_key, model = sharded_model(state, action)
     optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-    return model, optimizers, StateLayout(model_key, tuple(optimizers))
+    averaged = {key: value for key, value in state.items() if isinstance(value, ShardedAveragedModel)}
+    return model, optimizers, averaged, StateLayout(model_key, tuple(optimizers), tuple(averaged))
 
 
 def checkpoint_from_state(
@@ -59,13 +65,15 @@ def checkpoint_from_state(
     Example:
         >>> checkpoint, layout = checkpoint_from_state({"model": model, "step": 3}, io, full=False)  # doctest: +SKIP
     """
-    model, _, layout = layout_of(state, "save")
+    model, _, _, layout = layout_of(state, "save")
     checkpoint: dict[str, Any] = {}
     for key, value in state.items():
         if value is model:
             converted = io.model_state(model, full=full)
         elif isinstance(value, Optimizer):
             converted = io.optimizer_state(model, value, full=full)
+        elif isinstance(value, ShardedAveragedModel):
+            converted = io.model_state(value, full=full)
         elif isinstance(value, _Stateful):
             converted = value.state_dict()
         else:

@@ -283,8 +283,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "Loading an optimizer alone is not supported: its sharded states are keyed by the model's parameter "
                 "names. Load it with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
-        model, optimizers, layout = layout_of(state, "load")
-        rest = self.checkpoint_io.load_into(path, model, list(optimizers.values()), strict=strict, layout=layout)
+        model, optimizers, averaged, layout = layout_of(state, "load")
+        rest = self.checkpoint_io.load_into(
+            path, model, list(optimizers.values()), strict=strict, layout=layout, averaged=averaged
+        )
         drop_gathered_parameters(model)
         return restore_rest(state, rest, layout, strict)
 

@@ -24,6 +24,8 @@ tokenizer files when the config directory has them) and safetensors shards, as H
   pretrained files in ``config_dir``, checked against the checkpoint's record first
   (:mod:`lightning_shard.hf.frozen_export`), one output shard at a time like the checkpoint's own; the adapter alone
   needs none of them.
+* Averaged weights: ``weights="averaged"`` (``--weights averaged``) writes the run's averaged copy (EMA, SWA; saved
+  beside the model by :mod:`lightning_shard.averaging`) instead of its trained weights, the default.
 * Atomic: written into a hidden staging folder beside the output directory and renamed into place at the end, only
   where there is nothing (or an empty directory) then: a directory filled meanwhile is refused, never replaced.
 
@@ -39,13 +41,14 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_shard.checkpoint.averaged import AVERAGED_NAME_PREFIX, averaged_key, top_level_keys
 from lightning_shard.checkpoint.integrity import (
     _listed,
     check_sharded,
@@ -54,7 +57,8 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
     read_metadata,
 )
-from lightning_shard.checkpoint.io import MODEL_KEY, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.io import MODEL_KEY, _recorded_layout, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 from lightning_shard.checkpoint.publish import discard, publish, staging_path
 from lightning_shard.cpu.heap import release_freed_heap
 from lightning_shard.hf.frozen_export import BaseTensor, PretrainedBase
@@ -62,6 +66,7 @@ from lightning_shard.hf.frozen_weights import read_record
 from lightning_shard.hf.peft_export import ADAPTER_WEIGHTS, PeftLayout, adapter_names, read_lora_config, save_adapter
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+Weights = Literal["trained", "averaged"]
 # Copied next to the weights when the config directory has them, so the export is a complete HF model directory.
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
@@ -100,6 +105,7 @@ def export_hf(
     dtype: str | torch.dtype = "config",
     merge_lora: bool = False,
     lora_config: Any = None,
+    weights: Weights = "trained",
 ) -> HFExport:
     """Write the HF model inside ``checkpoint`` to ``out_dir`` for ``auto_class.from_pretrained(out_dir)``.
 
@@ -121,6 +127,8 @@ def export_hf(
             (:mod:`lightning_shard.hf.peft_export`).
         lora_config: with ``merge_lora``, the run's LoRA configuration (default: from the checkpoint's
             hyper-parameters; see :func:`~lightning_shard.hf.peft_export.read_lora_config`).
+        weights: ``"trained"`` (the model's weights) or ``"averaged"``: the averaged copy (EMA, SWA) of a run with a
+            weight-averaging callback or a ``ShardedAveragedModel`` (:mod:`lightning_shard.averaging`).
 
     Example:
         >>> export_hf("out/last.ckpt", "out/hf", "out/pretrained")  # doctest: +SKIP
@@ -139,7 +147,7 @@ def export_hf(
     config = _load_config(config_dir)
     model = _meta_model(config, auto_class)
     hf_aliases = aliases = saved_names(model)
-    source = _open_checkpoint(checkpoint)
+    source = _open_checkpoint(checkpoint, weights)
     base = None
     if source.record is not None:  # a small checkpoint: the files its frozen weights come from, checked first
         base = PretrainedBase.open(checkpoint, source.record, config_dir, _meta_model(config, auto_class))
@@ -437,18 +445,21 @@ class _Checkpoint:
         return {*self.shapes, *(self.record["parameters"] if self.record else ())}
 
 
-def _open_checkpoint(path: Path) -> _Checkpoint:
+def _open_checkpoint(path: Path, weights: Weights = "trained") -> _Checkpoint:
     if is_sharded_checkpoint(path):
+        metadata = check_sharded(path)
+        entry, prefix = _weights_entry(path, weights, _recorded_layout(path, metadata), top_level_keys(metadata))
+        stem = f"{entry}.{prefix}"
         entries = {
-            key[len(MODEL_KEY) + 1 :]: entry
-            for key, entry in check_sharded(path).state_dict_metadata.items()
-            if key.startswith(MODEL_KEY + ".") and isinstance(entry, TensorStorageMetadata)
+            key[len(stem) :]: meta
+            for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(stem) and isinstance(meta, TensorStorageMetadata)
         }
 
         @contextmanager
         def read_sharded(keys: Mapping[str, str]) -> Iterator[dict[str, torch.Tensor]]:
-            weights = read_sharded_keys(path, {f"{MODEL_KEY}.{key}" for key in keys})[MODEL_KEY]
-            yield {name: weights.pop(key) for key, name in keys.items()}
+            tensors = read_sharded_keys(path, {stem + key for key in keys})[entry]
+            yield {name: tensors.pop(prefix + key) for key, name in keys.items()}
 
         def read_hyper_parameters() -> Any:
             if HYPER_PARAMETERS_KEY not in read_metadata(path).state_dict_metadata:
@@ -461,18 +472,26 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
     if path.is_dir():
         raise ValueError(f"{path} is a directory without torch.distributed.checkpoint metadata (.metadata).")
 
+    with _mapped_checkpoint(path) as checkpoint:
+        layout = StateLayout.from_record(checkpoint.get(LAYOUT_KEY))
+        entry, prefix = _weights_entry(path, weights, layout, set(checkpoint))
+
     @contextmanager
     def read_full(keys: Mapping[str, str]) -> Iterator[dict[str, torch.Tensor]]:
         # A fresh mapping per shard, released after it: the file's pages do not pile up in this process.
         with _mapped_checkpoint(path) as checkpoint:
-            yield {name: checkpoint[MODEL_KEY][key] for key, name in keys.items()}
+            yield {name: checkpoint[entry][prefix + key] for key, name in keys.items()}
 
     def read_hyper_parameters() -> Any:
         with _mapped_checkpoint(path) as checkpoint:
             return checkpoint.get(HYPER_PARAMETERS_KEY)
 
     with _mapped_checkpoint(path) as checkpoint:
-        tensors = {key: value for key, value in checkpoint[MODEL_KEY].items() if isinstance(value, torch.Tensor)}
+        tensors = {
+            key[len(prefix) :]: value
+            for key, value in checkpoint[entry].items()
+            if key.startswith(prefix) and isinstance(value, torch.Tensor)
+        }
         return _Checkpoint(
             path,
             full_model_shapes(tensors, path),
@@ -481,6 +500,23 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
             read_hyper_parameters,
             read_record(path),
         )
+
+
+def _weights_entry(path: Path, weights: Weights, layout: StateLayout, holds: Collection[str]) -> tuple[str, str]:
+    """The checkpoint entry holding the weights to export, and the prefix of their names in it: the model's
+    (``"trained"``), or its averaged copy's (``"averaged"``: a ``ShardedAveragedModel`` state dict, whose names are the
+    model's after ``module.``), the first the checkpoint's layout names that it holds."""
+    if weights == "trained":
+        return MODEL_KEY, ""
+    if weights != "averaged":
+        raise ValueError(f"weights={weights!r}: export the 'trained' weights or their 'averaged' copy.")
+    key = averaged_key(layout, holds)
+    if key is not None:
+        return key, AVERAGED_NAME_PREFIX
+    raise ValueError(
+        f"The checkpoint {path} holds no averaged weights: it was written without a weight-averaging callback "
+        "(Trainer) or a ShardedAveragedModel in the saved state (Fabric). Export its trained weights."
+    )
 
 
 def _with_base(source: _Checkpoint, base: Mapping[str, BaseTensor]) -> _Checkpoint:

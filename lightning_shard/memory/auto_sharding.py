@@ -8,6 +8,8 @@ leaves room for them. The whole gradients kept between micro-batches under ``gra
 (with ``accumulate_grad_batches > 1``) are counted: they sit on the device of every option, offload included.
 Frozen parameters (``requires_grad=False``, a LoRA model's base) are counted as the model has them: stored and
 gathered, without gradients or optimizer states, so a LoRA run may fit with less sharding than its full fine-tune.
+A weight-averaging callback's fp32 copy is counted where it will be kept (``weight_averaging``): beside the sharded
+parameters on the device, or in host memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_shard.config import GradientAccumulation
-from lightning_shard.memory.estimate import estimate_memory
+from lightning_shard.memory.estimate import WeightAveragingPlace, estimate_memory
 from lightning_shard.memory.units import count_parameters
 
 GIB = 2**30
@@ -44,6 +46,7 @@ def choose_sharding(
     can_offload: bool,
     accumulate_grad_batches: int = 1,
     gradient_accumulation: GradientAccumulation = "sharded",
+    weight_averaging: WeightAveragingPlace | None = None,
     headroom: float = 0.7,
 ) -> ShardingChoice:
     """Pick the sharding for ``model`` (meta device is fine) on ranks with ``device_memory_bytes`` each.
@@ -71,6 +74,7 @@ def choose_sharding(
             activation_checkpointing=activation_checkpointing,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_accumulation=gradient_accumulation,
+            weight_averaging=weight_averaging,
         )
         label = sharding_strategy + (" + CPU offload" if offload else "")
         needs.append(f"{label} {_size(estimate.device.total_bytes)}")

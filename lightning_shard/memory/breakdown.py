@@ -11,6 +11,7 @@ class MemoryBreakdown:
     ``grads`` are the sharded gradients; ``accumulated_grads`` the whole gradients FSDP2 keeps between the
     micro-batches of one optimizer step when their reduce-scatter is skipped (``gradient_accumulation="unsharded"``).
     ``gathered_peak`` counts the per-unit transients: gathered parameters and the all-gather / reduce-scatter buffers.
+    ``averaged_weights``: the fp32 averaged copy (EMA, SWA) of a weight-averaging run, sharded like the parameters.
     """
 
     params: int = 0
@@ -19,6 +20,7 @@ class MemoryBreakdown:
     optimizer_states: int = 0
     gathered_peak: int = 0
     activations: int = 0
+    averaged_weights: int = 0
 
     @property
     def total_bytes(self) -> int:

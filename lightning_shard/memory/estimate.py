@@ -38,6 +38,9 @@ parameters of the largest wrap unit):
   attention). With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer
   recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``,
   ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+* weight averaging (EMA, SWA; :mod:`lightning_shard.averaging`): an fp32 copy of every parameter, sharded like them,
+  ``4 × Ψ / N`` B, beside the sharded parameters (``weight_averaging="device"``: on the device, or on the host under
+  ``cpu_offload``) or in host memory (``"cpu"``, the callbacks' ``device="cpu"``).
 * activations are counted as for full fine-tuning also when most parameters are frozen: an upper bound there (a
   frozen layer needs no input saved for its weight gradient, LoRA adapters save little more).
 * not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
@@ -94,6 +97,8 @@ _PRECISION_BYTES = {
 OPTIMIZER_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+# Where an averaged copy lives: beside the sharded parameters, or in host memory.
+WeightAveragingPlace = Literal["device", "cpu"]
 
 
 def gpt_parameter_count(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> tuple[int, int]:
@@ -175,6 +180,7 @@ def estimate_memory(
     largest_unit_params: int | None = None,
     trainable_params: int | None = None,
     input_fn: Callable[[], Any] | None = None,
+    weight_averaging: WeightAveragingPlace | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one rank; see the module docstring for the formula and the published figures.
 
@@ -187,6 +193,7 @@ def estimate_memory(
     ``trainable_params`` says how many train (default: all), and each unit is assumed to train the same fraction.
     ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings;
     ``fused_attention=False`` counts the attention scores that eager (unfused) attention keeps for backward.
+    ``weight_averaging``: ``"device"`` or ``"cpu"`` counts an averaged copy kept there (module docstring).
 
     Example:
         >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0)
@@ -199,6 +206,8 @@ def estimate_memory(
         >>> est = estimate_memory(1_000_000, trainable_params=10_000, world_size=2, largest_unit_params=0)
         >>> est.per_rank.params, est.per_rank.grads, est.per_rank.optimizer_states
         (2000000, 20000, 40000)
+        >>> estimate_memory(1_000_000, world_size=2, largest_unit_params=0, weight_averaging="cpu").cpu.averaged_weights
+        2000000
     """
     if sharding_strategy not in SHARDING_STRATEGIES:
         raise ValueError(f"sharding_strategy must be one of {SHARDING_STRATEGIES}, got {sharding_strategy!r}")
@@ -212,6 +221,8 @@ def estimate_memory(
         raise ValueError(
             f"gradient_accumulation must be one of {get_args(GradientAccumulation)}, got {gradient_accumulation!r}"
         )
+    if weight_averaging not in (None, *get_args(WeightAveragingPlace)):
+        raise ValueError(f"weight_averaging must be None, 'device' or 'cpu', got {weight_averaging!r}")
     precision = _normalise_precision(precision)
     config = {
         "mode": mode,
@@ -227,6 +238,7 @@ def estimate_memory(
         "gradient_accumulation": gradient_accumulation,
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
+        "weight_averaging": weight_averaging,
     }
     if trainable_params is not None and not isinstance(model, int):
         raise ValueError(
@@ -235,7 +247,10 @@ def estimate_memory(
     if mode == "simulate":
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
-        return simulate_memory(model, input_fn, config)
+        simulated = simulate_memory(model, input_fn, config)
+        shards = _shard_degree(sharding_strategy, world_size, num_nodes)
+        device, cpu = _with_averaged_copy(simulated.device, simulated.cpu, simulated.n_params, shards, weight_averaging)
+        return replace(simulated, device=device, cpu=cpu)
     if mode != "formula":
         raise ValueError(f'mode must be "formula" or "simulate", got {mode!r}')
 
@@ -291,7 +306,20 @@ def estimate_memory(
     else:
         # The whole gradients stand in for the sharded ones while they are held (module docstring).
         device, cpu = replace(sharded, grads=0 if accumulated else sharded.grads) + on_device, MemoryBreakdown()
+    # Beside the shards is on the host when they are offloaded.
+    place = "cpu" if weight_averaging and cpu_offload else weight_averaging
+    device, cpu = _with_averaged_copy(device, cpu, n_params, shards, place)
     return MemoryEstimate(n_params=n_params, trainable_params=trainable, device=device, cpu=cpu, config=config)
+
+
+def _with_averaged_copy(
+    device: MemoryBreakdown, cpu: MemoryBreakdown, n_params: int, shards: int, weight_averaging: str | None
+) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    """``device`` and ``cpu`` with the averaged copy (fp32, sharded like the parameters) where it is kept."""
+    if weight_averaging is None:
+        return device, cpu
+    copy = MemoryBreakdown(averaged_weights=math.ceil(n_params * 4 / shards))
+    return (device + copy, cpu) if weight_averaging == "device" else (device, cpu + copy)
 
 
 def _trainable_share(unit: int, trainable: int, n_params: int) -> int:

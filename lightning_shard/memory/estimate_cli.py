@@ -1,6 +1,8 @@
 """``lightning-shard estimate``: per-rank memory of a LightningCLI config, before launching it.
 
-The config's ``trainer.accumulate_grad_batches`` and the strategy's ``gradient_accumulation`` count too. With
+The config's ``trainer.accumulate_grad_batches``, the strategy's ``gradient_accumulation`` and a weight-averaging
+callback in ``trainer.callbacks`` (its fp32 averaged copy, on the device or with ``device: cpu`` in host memory) count
+too. With
 ``--mode simulate`` the model is also trained for two steps under fake tensors (:mod:`lightning_shard.memory.simulate`;
 token-id inputs of ``micro-batch x seq-len``: ``vocab_size`` from the model section, else from the config of the
 transformers model it builds; the length from ``--seq-len``, the model's ``block_size`` or the data's), and the
@@ -120,6 +122,24 @@ def _strategy_options(trainer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _weight_averaging(trainer: dict[str, Any]) -> str | None:
+    """Where the config's weight-averaging callback (Lightning's ``WeightAveraging`` or a subclass) keeps its copy."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    for callback in trainer.get("callbacks") or []:
+        if not isinstance(callback, dict) or "class_path" not in callback:
+            continue
+        module_name, _, class_name = str(callback["class_path"]).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name or "lightning.pytorch.callbacks"), class_name)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, WeightAveraging):
+            device = (callback.get("init_args") or {}).get("device")
+            return "cpu" if device is not None and torch.device(device).type == "cpu" else "device"
+    return None
+
+
 def _import_class(class_path: str) -> type | None:
     module_name, _, class_name = class_path.rpartition(".")
     # Config class paths such as examples.gpt.model.GPT are relative to the project root, like `python -m`.
@@ -184,6 +204,7 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
         "accumulate_grad_batches": trainer.get("accumulate_grad_batches") or 1,
         "micro_batch_size": args.micro_batch_size or data.get("batch_size") or 1,
         "seq_len": args.seq_len or dims.get("block_size") or data.get("block_size"),
+        "weight_averaging": _weight_averaging(trainer),
         **{key: dims.get(key) for key in ("n_layer", "n_embd", "n_head", "vocab_size")},
     }
     lora = _lora_settings(args)
