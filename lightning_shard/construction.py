@@ -404,17 +404,29 @@ class _GeneratorWatch:
         self.log = log
         self.last = state_bytes(log.rng_start)
         self.saved: dict[int, tuple[int, torch.Tensor]] = {}  # id(state tensor) -> (slot, the tensor, kept alive)
+        self._reading = False  # reading the state runs torch ops, which the recorder sees
 
     def check(self) -> None:
-        # The generator's own method: a call of `torch.get_rng_state` would be seen by the profile hook.
-        state = torch.default_generator.get_state()
-        if state_bytes(state) != self.last:
+        if self._reading:
+            return
+        state, raw = self._state()
+        if raw != self.last:
             self.log.rng_events.append(RngEvent(next(_SEQUENCE), "set", state))
-            self.last = state_bytes(state)
+            self.last = raw
 
     def explained(self) -> None:
         """The state changed through something already recorded (a real draw, a restored slot)."""
-        self.last = state_bytes(torch.default_generator.get_state())
+        self.last = self._state()[1]
+
+    def _state(self) -> tuple[torch.Tensor, bytes]:
+        """The state and its bytes. The generator's own method: a call of `torch.get_rng_state` would be seen by the
+        profile hook; reading the bytes runs torch ops, which the recorder sees while checks are off."""
+        self._reading = True
+        try:
+            state = torch.default_generator.get_state()
+            return state, state_bytes(state)
+        finally:
+            self._reading = False
 
     def saved_state(self, state: torch.Tensor) -> None:
         slot = len(self.saved)
@@ -637,7 +649,10 @@ class _PythonCalls:
             self.rng.check()
             if not self.rng.restoring(frame.f_locals.get("new_state")):
                 return  # a state from elsewhere: the generator watch records the state it leaves
+            # what the generator does to the state tensor inside is no construction's (and the state it sets is
+            # recorded already)
             self.open.append(frame)
+            self.recorder.suspended += 1
         elif code in self.whole:
             tensor = frame.f_locals.get("tensor")
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
@@ -661,10 +676,9 @@ class _PythonCalls:
     def _return(self, frame: Any, value: Any) -> None:
         if self.open and frame is self.open[-1]:
             self.open.pop()
+            self.recorder.suspended -= 1
             if frame.f_code is self.set_state:
                 self.rng.explained()
-            else:
-                self.recorder.suspended -= 1
         elif frame.f_code is self.get_state and not self.recorder.suspended and isinstance(value, torch.Tensor):
             self.rng.check()
             self.rng.saved_state(value)
