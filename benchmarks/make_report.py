@@ -28,6 +28,7 @@ EXPECTED = {
     "lora_memory": "python benchmarks/lora_memory.py",
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
+    "init_rule": "python benchmarks/init_rule.py",
     "hf_loading": "python benchmarks/hf_loading.py",
     "pretrained_hash": "python benchmarks/pretrained_hash.py",
     "preemption": "python benchmarks/preemption.py",
