@@ -1,5 +1,6 @@
-"""``parallelize_module``: one function that reads top to bottom - which modules are checkpointed, which become
-FSDP units, with which policies - in the manner of torchtitan's ``parallelize`` functions."""
+"""``parallelize_module``: one function that reads top to bottom - which layers are split over the tensor-parallel
+ranks, which modules are checkpointed, which become FSDP units, with which policies - in the manner of torchtitan's
+``parallelize`` functions (tensor parallelism, activation checkpointing, compile, then ``fully_shard``)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_shard.config import ShardingConfig
+from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
 from lightning_shard.torch_compat import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
@@ -46,12 +48,15 @@ def parallelize_module(
     device: torch.device,
     forward_methods: Sequence[str] = (),
 ) -> list[nn.Module]:
-    """Checkpoint, shard and materialise ``model`` in place; return the FSDP units below the root.
+    """Split (tensor parallelism), checkpoint, shard and materialise ``model`` in place; return the FSDP units below
+    the root.
 
     Args:
         model: the model, built eagerly or on the meta device.
-        mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh.
-        config: the wrap and checkpointing policies, ``reshard_after_forward`` and the CPU collectives.
+        mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, with a last ``"tensor_parallel"`` dimension
+            when ``config.tensor_parallel_size > 1``.
+        config: the tensor-parallel plan, the wrap and checkpointing policies, ``reshard_after_forward`` and the CPU
+            collectives.
         mp_policy, offload_policy: handed to every ``fully_shard`` call.
         device: where the model computes.
         forward_methods: methods of the root besides ``forward`` that run the model (Lightning's step methods).
@@ -68,6 +73,10 @@ def parallelize_module(
         # An eagerly built model exists on every rank; make the replicas identical before each keeps its shard,
         # as DDP does when it wraps a model.
         _broadcast_from_rank_zero(model, device)
+    names = mesh.mesh_dim_names or ()
+    if TENSOR_PARALLEL_DIM in names:
+        apply_tensor_parallel_plan(model, mesh[TENSOR_PARALLEL_DIM], config.tensor_parallel_plan)
+        mesh = mesh[tuple(name for name in names if name != TENSOR_PARALLEL_DIM)]  # FSDP's: the data-parallel dims
     units = select_modules(model, config.auto_wrap_policy, "auto_wrap_policy")
     checkpointed = select_modules(model, config.activation_checkpointing, "activation_checkpointing")
     wrappers = _apply_activation_checkpointing(model, checkpointed)

@@ -207,18 +207,34 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip gradients to a global norm computed over all shards; returns the total norm (a plain tensor).
 
-    ``torch.nn.utils.clip_grad_norm_`` accepts DTensor gradients: the per-shard norms reduce to the norm of the
-    full gradient. Parameters of different meshes (none here) would need one norm per mesh.
+    torch's norm functions take DTensor gradients of one mesh and reduce the per-shard norms to the norm of the full
+    gradient. Under tensor parallelism the gradients live on two meshes - the (data-parallel x tensor-parallel) mesh
+    of the split layers and the data-parallel mesh of the rest - so the norm is taken per mesh, each reduced over its
+    mesh, and those norms are combined (the norm of the norms): every element counted once, over both dimensions.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    total_norm = torch.nn.utils.clip_grad_norm_(
-        list(parameters), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-    )
-    return total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm
+    parameters = list(parameters)
+    by_mesh: dict[Any, list[Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+    norms = [
+        _full(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite))
+        for grads in by_mesh.values()
+    ]
+    if not norms:
+        return torch.tensor(0.0)
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:

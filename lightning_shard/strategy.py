@@ -46,6 +46,7 @@ from lightning_shard.materialize import meta_construction
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
+from lightning_shard.tensor_parallel import TensorParallelPlan
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -93,6 +94,14 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             allows.
         compile: ``torch.compile`` each FSDP unit (transformer block) before sharding, as torchtitan does: ``True``
             (torch.compile's defaults) or a dict of its arguments (``{"mode": "max-autotune", "fullgraph": True}``).
+        tensor_parallel_size: ranks that split each layer's matmuls between them (tensor parallelism; 1: none). The
+            mesh becomes ``(data-parallel dims..., tensor_parallel)``, the tensor-parallel groups consecutive ranks
+            (inside a node); FSDP shards over the data-parallel dimensions, and every rank of a tensor-parallel group
+            gets the same batches. The module sees the mesh as ``self.device_mesh``.
+        tensor_parallel_plan: which layers are split and how: ``"auto"`` (the model's own plan: a transformers
+            model's ``base_model_tp_plan``, litgpt's ``GPT``, a ``tensor_parallel_plan`` the model declares), a dict
+            of module-name patterns to styles (``{"layers.*.attn.q_proj": "colwise", ...}``), or a callable
+            ``parallelize_fn(model, tp_mesh)``. See :mod:`lightning_shard.tensor_parallel.plan`.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device (``"cuda:nccl,cpu:gloo"`` with CPU
             offload on GPUs: the offloaded gradients are reduced on the CPU when clipping).
         timeout: process-group timeout.
@@ -130,6 +139,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
         gradient_accumulation: GradientAccumulation = "sharded",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

@@ -283,3 +283,15 @@ def memory_simulation_tools() -> dict[str, Any]:
         "UNSHARDED_GRAD": _FSDPRefType.UNSHARDED_GRAD,
         "tag": tag,
     }
+
+
+def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
+    """Make ``mesh[name]`` the 1-D mesh over the dimensions ``dims`` together (``DeviceMesh._flatten``; torch has no
+    public name for it): the strategy's ``"data_parallel"``, as Lightning's ``ModelParallelStrategy`` names it.
+
+    Example:
+        >>> flatten_mesh_dims(mesh, ("replicate", "shard"), "data_parallel")  # doctest: +SKIP
+        >>> mesh["data_parallel"].size()  # doctest: +SKIP
+        4
+    """
+    mesh[dims]._flatten(name)
