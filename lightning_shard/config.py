@@ -156,8 +156,8 @@ class ShardingConfig:
             raise ValueError(
                 f"`device_mesh=({self.hybrid_replicas}, {shard_size})` describes {self.hybrid_replicas * shard_size} "
                 f"{ranks}, but the job has {data_parallel} (num_nodes x devices / tensor_parallel_size); pass "
-                f"`device_mesh=({data_parallel // shard_size}, {shard_size})` or `hybrid_shard_size={shard_size}` alone "
-                "(the replicas follow from the world size)."
+                f"`device_mesh=({data_parallel // shard_size}, {shard_size})` or `hybrid_shard_size={shard_size}` "
+                "alone (the replicas follow from the world size)."
             )
         if data_parallel % shard_size:
             raise ValueError(

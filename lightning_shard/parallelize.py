@@ -12,16 +12,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
@@ -34,6 +36,7 @@ from lightning_shard.torch_compat import (
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    visible_name,
 )
 from lightning_shard.wrap import select_modules
 
@@ -69,6 +72,8 @@ def parallelize_module(
         ...                    device=torch.device("cpu"))  # doctest: +SKIP
     """
     meta = has_meta_tensors(model)
+    if sharded_by_hand(model):
+        return _keep_sharding_by_hand(model, device, offload_policy, forward_methods, meta)
     if not meta:
         # An eagerly built model exists on every rank; make the replicas identical before each keeps its shard,
         # as DDP does when it wraps a model.
@@ -104,11 +109,84 @@ def parallelize_module(
     gather_root_for_direct_calls(model)
 
     if meta:
-        parameter_device, buffer_device = materialization_devices(
-            device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
-        )
-        materialize_sharded_module(model, parameter_device, buffer_device)
+        _materialize(model, device, offload_policy)
+    setattr(model, _PARALLELIZED, True)
     return units
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether :func:`parallelize_module` has set ``model`` up already (a second ``fit`` of the same module).
+
+    Example:
+        >>> is_parallelized(nn.Linear(2, 2))
+        False
+    """
+    return getattr(model, _PARALLELIZED, False)
+
+
+def sharded_by_hand(model: nn.Module) -> bool:
+    """Whether ``model`` came sharded from the user's own code (``configure_model()`` calling ``fully_shard`` /
+    ``parallelize_module``, as under Lightning's ``ModelParallelStrategy``) with every parameter under a
+    ``fully_shard``: then the strategy keeps that sharding rather than sharding it twice.
+
+    Raises:
+        ValueError: the model was sharded by hand in part only (parameters left outside ``fully_shard``), with the
+            two ways out.
+
+    Example:
+        >>> sharded_by_hand(nn.Linear(2, 2))
+        False
+    """
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    split = any(isinstance(param, DTensor) for param in model.parameters())
+    if not units and not split:
+        return False
+    covered = {id(param) for unit in units for param in unit.parameters()}
+    left = [visible_name(name) for name, param in model.named_parameters() if id(param) not in covered]
+    if left:
+        done = "`fully_shard`" if units else "`parallelize_module` (tensor parallelism) but not `fully_shard`"
+        raise ValueError(
+            f"`configure_model()` applied {done} to part of {type(model).__name__} by hand, leaving {left[:4]} "
+            f"({len(left)} parameters in all) outside `fully_shard`; the strategy would shard the model a second "
+            "time. Either leave the sharding to the strategy - drop those calls and pass `tensor_parallel_size=...` "
+            "and your plan as `tensor_parallel_plan` (a dict or `parallelize_fn(model, tp_mesh)`); FSDP follows "
+            "`auto_wrap_policy` - or shard all of it by hand, the outermost module included (`fully_shard(self.model)`)"
+            ", as under Lightning's ModelParallelStrategy, and the strategy keeps that."
+        )
+    return True
+
+
+def _keep_sharding_by_hand(
+    model: nn.Module,
+    device: torch.device,
+    offload_policy: OffloadPolicy,
+    forward_methods: Sequence[str],
+    meta: bool,
+) -> list[nn.Module]:
+    rank_zero_info(
+        f"`configure_model()` sharded {type(model).__name__} itself (`fully_shard` / `parallelize_module`): the "
+        "strategy keeps that sharding and does not apply its own tensor-parallel plan, wrap policy, activation "
+        "checkpointing or compile."
+    )
+    if isinstance(model, FSDPModule):
+        for name in forward_methods:
+            register_fsdp_forward_method(model, name)
+        gather_root_for_direct_calls(model)
+    if meta:  # built under the strategy's meta-device context: the initialisation rule, as for its own sharding
+        _materialize(model, device, offload_policy)
+    setattr(model, _PARALLELIZED, True)
+    return [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+
+
+def _materialize(model: nn.Module, device: torch.device, offload_policy: OffloadPolicy) -> None:
+    parameter_device, buffer_device = materialization_devices(
+        device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
+    )
+    materialize_sharded_module(model, parameter_device, buffer_device)
+
+
+# Set on a model :func:`parallelize_module` has set up.
+_PARALLELIZED = "_lightning_shard_parallelized"
 
 
 def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> None:

@@ -217,19 +217,19 @@ def clip_grad_norm(
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    parameters = list(parameters)
     by_mesh: dict[Any, list[Tensor]] = {}
     for param in parameters:
         if param.grad is not None:
-            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param.grad)
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     norms = [
-        _full(torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite))
-        for grads in by_mesh.values()
+        _full(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite=error_if_nonfinite))
+        for group in by_mesh.values()
     ]
     if not norms:
         return torch.tensor(0.0)
     total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    for group in by_mesh.values():  # torch's foreach ops take the tensors of one mesh at a time
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
 
 

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -43,6 +43,7 @@ from lightning_shard.hf.frozen_weights import (
 )
 from lightning_shard.launcher import ShardedMultiProcessingLauncher
 from lightning_shard.materialize import meta_construction
+from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
@@ -230,7 +231,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _evaluate_without_inference_mode(trainer)
-        if not isinstance(self.model, FSDPModule):
+        if not is_parallelized(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
             self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh

@@ -244,6 +244,8 @@ class ShardedStrategyCore:
             gradient_accumulation=self.config.gradient_accumulation,
             device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),
             can_offload=self.root_device.type == "cuda",
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            tensor_parallel_plan=self.config.tensor_parallel_plan,
         )
         # Rank 0 decides for all: nodes may report different memory.
         choice = self.broadcast(choice)

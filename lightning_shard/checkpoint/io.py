@@ -52,6 +52,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout, lookup
+from lightning_shard.checkpoint.model_parallel import model_parallel_layout, with_model_parallel_entries
 from lightning_shard.checkpoint.publish import publish
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
@@ -326,7 +327,8 @@ class ShardedCheckpointIO(CheckpointIO):
         model_state.update(target[saved.model])
         loaded = [lookup(target, source) for source in sources]
         _set_live_states(model, optimizers, model_state, loaded, strict)
-        return _without_states(target, saved)
+        rest = _without_states(target, saved)
+        return with_model_parallel_entries(path, rest) if model_parallel_layout(path, metadata) else rest
 
     def _load_full(
         self,
@@ -379,8 +381,8 @@ def _check_full(
 def _recorded_layout(path: Path, metadata: Metadata) -> StateLayout:
     """The layout a sharded checkpoint recorded (one small pickled entry); the Trainer's if it recorded none."""
     entry = metadata.state_dict_metadata.get(LAYOUT_KEY)
-    if entry is None:
-        return TRAINER_LAYOUT
+    if entry is None:  # the Trainer's, or Lightning's ModelParallelStrategy's
+        return model_parallel_layout(path, metadata) or TRAINER_LAYOUT
     target: dict[str, Any] = {LAYOUT_KEY: entry}
     _load_without_collectives(target, InPlaceFileSystemReader(path, metadata), dcp.DefaultLoadPlanner())
     return StateLayout.from_record(target[LAYOUT_KEY])

@@ -30,7 +30,6 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -41,6 +40,7 @@ from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
 from lightning_shard.materialize import meta_construction
+from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import clip_grad_norm
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
@@ -168,7 +168,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "The model holds FSDP1 `FullyShardedDataParallel` modules; the sharded strategy applies FSDP2's "
                 "`fully_shard` itself. Pass the plain model."
             )
-        if not isinstance(module, FSDPModule):
+        if not is_parallelized(module):
             self._replaced_parameters.update({id(param): param for param in module.parameters()})
             # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.

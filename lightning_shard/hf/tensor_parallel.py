@@ -66,7 +66,9 @@ def _plan(hf_model: nn.Module) -> ResolvedPlan:
     modules = dict(hf_model.named_modules())
     split = {id(modules[entry]) for entry in entries if entry in modules}
     checks = [partial(_check_heads, hf_model, origin), partial(check_ties, hf_model, split, origin)]
-    return ResolvedPlan(origin, partial(_apply, hf_model, entries), checks)
+    params = dict(hf_model.named_parameters(remove_duplicate=False))
+    splits = [params[name] for name, style in entries.items() if name in params and _splits(name, style)]
+    return ResolvedPlan(origin, partial(_apply, hf_model, entries), checks, splits)
 
 
 def _apply(hf_model: nn.Module, entries: dict[str, str], mesh: DeviceMesh) -> None:
@@ -90,6 +92,14 @@ def _follow_adapters(hf_model: nn.Module, expanded: dict[str, str]) -> dict[str,
                 entries.update({f"{target_name}.{param}": style for param, _ in target.named_parameters(recurse=False)})
             entries[target_name] = style
     return entries
+
+
+def _splits(parameter: str, style: str) -> bool:
+    """Whether ``style`` splits ``parameter`` (a row-wise layer's bias is replicated: added after the sum)."""
+    kind = _split_kind(style)
+    if kind == "rowwise":
+        return not parameter.endswith(".bias")
+    return kind == "colwise" or style.startswith("embedding_")
 
 
 def _split_kind(style: str) -> SplitKind | None:

@@ -27,14 +27,20 @@ parameters of the largest wrap unit):
   (they are the gradients of the gathered parameters, which live there). Meanwhile the sharded gradients do not
   exist on the device (Lightning frees them after the previous step; the last reduce-scatter creates them as it
   frees the whole ones), so the device's ``grads`` is 0 at its peak; with ``cpu_offload`` they stay on the host.
+* tensor parallelism (``tensor_parallel_size = t > 1``): the plan's split parameters (``Ψ_s`` of ``Ψ``: the linear
+  layers' weights, column-wise biases, vocabulary-split embeddings) count ``1/t`` per rank, the rest whole: every count
+  above is one tensor-parallel rank's, ``Ψ - Ψ_s + Ψ_s/t``, and FSDP shards it over the ``world_size / t``
+  data-parallel ranks.
 * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
   ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in 16-bit (doubled in fp32) for sequence ``s``, micro-batch ``b``, width
-  ``h``, heads ``a``. The ``5·a·s/h`` term is the attention scores, softmax and its dropout mask; fused attention
-  (``scaled_dot_product_attention``'s flash and memory-efficient kernels, what the example GPT, transformers'
-  ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with ``fused_attention=False`` (eager
-  attention). With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer
-  recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``,
-  ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+  ``h``, heads ``a``; under tensor parallelism without sequence parallelism (their eq. 4) ``s·b·h·(10 + 24/t +
+  5·a·s/(h·t))``: the norms' and dropouts' activations stay whole on every rank. The ``5·a·s/h`` term is the attention
+  scores, softmax and its dropout mask; fused attention (``scaled_dot_product_attention``'s flash and memory-efficient
+  kernels, what the example GPT, transformers' ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with
+  ``fused_attention=False`` (eager attention). With activation checkpointing each layer keeps only its input,
+  ``2·s·b·h`` (16-bit), plus one layer recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero
+  unless ``n_layer``, ``n_embd``, ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what
+  backward holds at its peak.
 * activations are counted as for full fine-tuning also when most parameters are frozen: an upper bound there (a
   frozen layer needs no input saved for its weight gradient, LoRA adapters save little more).
 * not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
@@ -74,6 +80,7 @@ from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
 from lightning_shard.memory.units import count_parameters, mesh_shape
 from lightning_shard.precision import PRECISION_ALIASES
+from lightning_shard.tensor_parallel import TensorParallelPlan, split_parameters
 
 GIB = 2**30
 
@@ -116,6 +123,7 @@ def activation_bytes(
     compute_bytes: int,
     activation_checkpointing: bool,
     fused_attention: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """Activation bytes of one micro-batch (Korthikanti et al. 2022), see the module docstring.
 
@@ -125,11 +133,14 @@ def activation_bytes(
         69632
         >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, fused_attention=False)
         90112
+        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, tensor_parallel_size=2)
+        45056
     """
     sbh = seq_len * micro_batch_size * n_embd
     scale = compute_bytes / 2  # the formula counts 16-bit activations
-    scores = 0 if fused_attention else 5 * n_head * seq_len / n_embd
-    layer = sbh * (34 + scores) * scale
+    t = tensor_parallel_size
+    scores = 0 if fused_attention else 5 * n_head * seq_len / (n_embd * t)
+    layer = sbh * (10 + 24 / t + scores) * scale
     layers = n_layer * 2 * sbh * scale + layer if activation_checkpointing else n_layer * layer
     logits = 4 * seq_len * micro_batch_size * vocab_size if vocab_size else 0
     return int(layers + logits)
@@ -142,11 +153,11 @@ def _normalise_precision(precision: str | int) -> str:
     return name
 
 
-def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int) -> int:
+def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int, tensor_parallel_size: int) -> int:
     if sharding_strategy == "HYBRID_SHARD" and world_size % num_nodes:
         raise ValueError(f"HYBRID_SHARD needs world_size ({world_size}) divisible by num_nodes ({num_nodes})")
-    # The ranks a parameter is sharded over: the last dimension of the strategy's own mesh.
-    return mesh_shape(sharding_strategy, world_size, num_nodes)[-1]
+    # The ranks a parameter is sharded over: the last dimension of the strategy's own data-parallel mesh.
+    return mesh_shape(sharding_strategy, world_size, num_nodes, tensor_parallel_size)[-1]
 
 
 def estimate_memory(
@@ -172,6 +183,8 @@ def estimate_memory(
     largest_unit_params: int | None = None,
     trainable_params: int | None = None,
     input_fn: Callable[[], Any] | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: TensorParallelPlan = "auto",
 ) -> MemoryEstimate:
     """Estimate the memory of one rank; see the module docstring for the formula and the published figures.
 
@@ -184,6 +197,8 @@ def estimate_memory(
     ``trainable_params`` says how many train (default: all), and each unit is assumed to train the same fraction.
     ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings;
     ``fused_attention=False`` counts the attention scores that eager (unfused) attention keeps for backward.
+    ``tensor_parallel_size`` / ``tensor_parallel_plan``: the strategy's; the plan (resolved on the module as the
+    strategy resolves it) says which parameters split.
 
     Example:
         >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0)
@@ -224,12 +239,18 @@ def estimate_memory(
         "gradient_accumulation": gradient_accumulation,
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        "tensor_parallel_plan": tensor_parallel_plan,
     }
     if trainable_params is not None and not isinstance(model, int):
         raise ValueError(
             "trainable_params is for a parameter count; a module says which parameters train by their requires_grad"
         )
     if mode == "simulate":
+        if tensor_parallel_size > 1:
+            # fully_shard of a tensor-parallel parameter builds its 2-D mesh with tensor ops (DeviceMesh._concatenate),
+            # which FakeTensorMode cannot run (a data-dependent `nonzero`; torch 2.13).
+            raise ValueError('mode="simulate" does not simulate tensor parallelism; use the formula (mode="formula")')
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
         return simulate_memory(model, input_fn, config)
@@ -237,7 +258,10 @@ def estimate_memory(
         raise ValueError(f'mode must be "formula" or "simulate", got {mode!r}')
 
     if isinstance(model, nn.Module):
-        n_params, largest, trainable, largest_trainable = count_parameters(model)
+        split = _split_parameters(model, tensor_parallel_plan, tensor_parallel_size)
+        n_params, largest, trainable, largest_trainable = count_parameters(model, split, tensor_parallel_size)
+    elif tensor_parallel_size > 1:
+        raise ValueError("a tensor-parallel estimate needs the model (a module): its plan says which parameters split")
     elif isinstance(model, int):
         n_params, largest, trainable = model, model, _trainable_count(model, trainable_params)
         if None not in (n_layer, n_embd, vocab_size, seq_len):
@@ -249,7 +273,7 @@ def estimate_memory(
         largest, largest_trainable = largest_unit_params, _trainable_share(largest_unit_params, trainable, n_params)
 
     param_b, grad_b, state_b, compute_b = _PRECISION_BYTES[precision]
-    shards = _shard_degree(sharding_strategy, world_size, num_nodes)
+    shards = _shard_degree(sharding_strategy, world_size, num_nodes, tensor_parallel_size)
     states = OPTIMIZER_STATES_PER_PARAM[optimizer]
     sharded = MemoryBreakdown(
         params=math.ceil(n_params * param_b / shards),
@@ -271,6 +295,7 @@ def estimate_memory(
             compute_bytes=compute_b,
             activation_checkpointing=activation_checkpointing,
             fused_attention=fused_attention,
+            tensor_parallel_size=tensor_parallel_size,
         )
     accumulated = trainable * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
     on_device = MemoryBreakdown(accumulated_grads=accumulated, gathered_peak=gathered, activations=activations)
@@ -280,6 +305,18 @@ def estimate_memory(
         # The whole gradients stand in for the sharded ones while they are held (module docstring).
         device, cpu = replace(sharded, grads=0 if accumulated else sharded.grads) + on_device, MemoryBreakdown()
     return MemoryEstimate(n_params=n_params, trainable_params=trainable, device=device, cpu=cpu, config=config)
+
+
+def _split_parameters(model: nn.Module, plan: TensorParallelPlan, size: int) -> set[int]:
+    if size == 1:
+        return set()
+    split = split_parameters(model, plan, size)
+    if split is None:
+        raise ValueError(
+            "a `parallelize_fn` plan splits whatever it does, which only applying it tells; estimate with the plan as "
+            "a dict of module-name patterns to styles (or 'auto'), or use mode='simulate'"
+        )
+    return split
 
 
 def _trainable_share(unit: int, trainable: int, n_params: int) -> int:

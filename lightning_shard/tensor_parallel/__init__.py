@@ -15,6 +15,7 @@ from lightning_shard.tensor_parallel.plan import (
     check_tensor_parallel_settings,
     register_plan_source,
     resolve_plan,
+    split_parameters,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "check_tensor_parallel_settings",
     "register_plan_source",
     "resolve_plan",
+    "split_parameters",
 ]

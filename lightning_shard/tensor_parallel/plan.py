@@ -105,11 +105,14 @@ class ResolvedPlan:
         apply: applies the plan on the tensor-parallel mesh.
         checks: checks of a tensor-parallel size that need the plan (attention heads, tied weights), each raising
             ``ValueError`` naming what does not fit; :func:`apply_tensor_parallel_plan` checks every split after.
+        split: the parameters the plan splits (the rest is replicated over the tensor-parallel ranks), for the memory
+            estimate; ``None`` when only applying the plan would tell (a ``parallelize_fn``).
     """
 
     origin: str
     apply: Callable[[DeviceMesh], None]
     checks: list[Callable[[int], None]] = field(default_factory=list)
+    split: list[nn.Parameter] | None = field(default_factory=list)
 
     def check(self, size: int) -> None:
         for check in self.checks:
@@ -143,7 +146,8 @@ def resolve_plan(model: nn.Module, plan: TensorParallelPlan, size: int) -> list[
         ['`tensor_parallel_plan`']
     """
     if callable(plan) and not isinstance(plan, Mapping):
-        resolved = [ResolvedPlan(f"parallelize_fn {getattr(plan, '__name__', plan)!r}", partial(plan, model))]
+        origin = f"parallelize_fn {getattr(plan, '__name__', plan)!r}"
+        resolved = [ResolvedPlan(origin, partial(plan, model), split=None)]
     elif isinstance(plan, Mapping):
         resolved = [module_plan(model, plan, "`tensor_parallel_plan`")]
     else:
@@ -206,8 +210,34 @@ def module_plan(root: nn.Module, patterns: Mapping[str, Any], origin: str, prefi
                         f"`{_joined(prefix, target_name)}` is a {type(target).__name__}; name its linear layers."
                     )
                 targets.append((target_name, target, _style(pattern, value, target)))
-    split = {id(module) for _, module, _ in targets}
-    return ResolvedPlan(origin, partial(_apply_styles, targets), [partial(check_ties, root, split, origin)])
+    holders = {id(module) for _, module, _ in targets}
+    checks = [partial(check_ties, root, holders, origin)]
+    split = [param for _, module, style in targets for param in _split_parameters(module, _split_kind(style))]
+    return ResolvedPlan(origin, partial(_apply_styles, targets), checks, split)
+
+
+def split_parameters(model: nn.Module, plan: TensorParallelPlan, size: int) -> set[int] | None:
+    """Ids of the parameters ``plan`` splits over ``size`` ranks (resolved as :func:`resolve_plan` does), or ``None``
+    when only applying it would tell (a ``parallelize_fn``).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        >>> len(split_parameters(model, {"0": "colwise"}, 2))
+        2
+    """
+    resolved = resolve_plan(model, plan, size)
+    if any(found.split is None for found in resolved):
+        return None
+    return {id(param) for found in resolved for param in found.split or ()}
+
+
+def _split_parameters(module: nn.Module, kind: SplitKind | None) -> list[nn.Parameter]:
+    """What a column- or row-wise style splits: the weight, and a column-wise layer's bias (a row-wise layer's is
+    added after the sum, replicated)."""
+    if kind is None:
+        return []
+    bias = getattr(module, "bias", None) if kind == "colwise" else None
+    return [module.weight, *([bias] if bias is not None else [])]
 
 
 def _apply_styles(targets: list[tuple[str, nn.Module, ParallelStyle]], mesh: DeviceMesh) -> None:
