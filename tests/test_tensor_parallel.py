@@ -22,13 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import max_weight_diff, run_script
-from tensor_parallel_run import LORA_TARGETS, MAX_STEPS, SAVE_STEP, write_pretrained
+from tensor_parallel_run import LORA_TARGETS, MAX_STEPS, SAVE_STEP, TinyGPT, write_pretrained
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
-from lightning_shard import ShardedStrategy, ShardingConfig
+from lightning_shard import ShardedStrategy, ShardingConfig, estimate_memory
 from lightning_shard.checkpoint.io import read_sharded_keys
 from lightning_shard.cli import main as cli_main
 from lightning_shard.materialize import meta_construction
@@ -197,6 +197,15 @@ def test_auto_sharding_with_tensor_parallelism(results: dict[str, Path]) -> None
     assert_close(run, load(results, "ref", "gpt_auto"))
 
 
+@pytest.mark.parametrize(("shape", "world_size"), [("2x2", 4), ("1x2", 2)])
+def test_estimator_counts_each_ranks_share(results: dict[str, Path], shape: str, world_size: int) -> None:
+    # the formula's parameter bytes per rank: the plan's split parameters / 2, sharded over the data-parallel ranks
+    model = TinyGPT()
+    model.configure_model()
+    estimate = estimate_memory(model, world_size=world_size, tensor_parallel_size=2)
+    assert [estimate.per_rank.params] * world_size == load(results, shape, "gpt")["parameter_bytes"]
+
+
 # ------------------------------------------------------------------------------------------- without processes
 
 
@@ -258,6 +267,27 @@ class Tied(nn.Module):
 def test_a_plan_that_does_not_fit_the_model_is_refused(plan: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         resolve_plan(Tied(), plan, 2)
+
+
+def test_estimate_of_the_13b_gpt_with_tensor_parallelism() -> None:
+    # 16 ranks (2 nodes x 8) as 2 x 8: every block's linear layers and the vocabulary split 8 ways, FSDP over 2
+    from examples.gpt.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(n_layer=40, n_head=40, n_embd=5120, vocab_size=50272, block_size=2048)
+        model.configure_model()
+    dims = {"n_layer": 40, "n_embd": 5120, "n_head": 40, "seq_len": 2048, "micro_batch_size": 2, "vocab_size": 50272}
+    common = {"world_size": 16, "num_nodes": 2, "precision": "bf16-mixed", "activation_checkpointing": True, **dims}
+    fsdp = estimate_memory(model, **common)
+    tp = estimate_memory(model, **common, tensor_parallel_size=8)
+    whole = 12_853_463_040
+    split = 40 * (12 * 5120**2 + 7 * 5120) + 50272 * 5120  # weights, the qkv and fc biases (3h + 4h), the vocabulary
+    per_rank = (whole - split) + split // 8  # one tensor-parallel rank's parameters
+    assert tp.n_params == fsdp.n_params == whole
+    assert tp.per_rank.params == pytest.approx(4 * per_rank / 2, abs=8)  # fp32, sharded over 2 data-parallel ranks
+    assert fsdp.per_rank.params == pytest.approx(4 * whole / 16, abs=8)
+    # Korthikanti's tensor-parallel activations (10 + 24/8 instead of 34 s·b·h for the recomputed layer)
+    assert tp.per_rank.activations < fsdp.per_rank.activations
 
 
 def test_the_gpt_example_refuses_a_size_that_does_not_divide_its_heads() -> None:

@@ -260,10 +260,12 @@ def estimate_memory(
     if isinstance(model, nn.Module):
         split = _split_parameters(model, tensor_parallel_plan, tensor_parallel_size)
         n_params, largest, trainable, largest_trainable = count_parameters(model, split, tensor_parallel_size)
+        whole = count_parameters(model) if split else None  # what the model holds, for the report
     elif tensor_parallel_size > 1:
         raise ValueError("a tensor-parallel estimate needs the model (a module): its plan says which parameters split")
     elif isinstance(model, int):
         n_params, largest, trainable = model, model, _trainable_count(model, trainable_params)
+        whole = None
         if None not in (n_layer, n_embd, vocab_size, seq_len):
             largest = gpt_parameter_count(n_layer, n_embd, vocab_size, seq_len)[1]
         largest_trainable = _trainable_share(largest, trainable, n_params)
@@ -304,7 +306,8 @@ def estimate_memory(
     else:
         # The whole gradients stand in for the sharded ones while they are held (module docstring).
         device, cpu = replace(sharded, grads=0 if accumulated else sharded.grads) + on_device, MemoryBreakdown()
-    return MemoryEstimate(n_params=n_params, trainable_params=trainable, device=device, cpu=cpu, config=config)
+    reported = (whole.total, whole.trainable) if whole is not None else (n_params, trainable)
+    return MemoryEstimate(n_params=reported[0], trainable_params=reported[1], device=device, cpu=cpu, config=config)
 
 
 def _split_parameters(model: nn.Module, plan: TensorParallelPlan, size: int) -> set[int]:
