@@ -6,13 +6,14 @@ Every check here runs before any process starts, and every error names the value
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from lightning_shard.activation_checkpointing import SELECTIVE, resolve_ops
 from lightning_shard.tensor_parallel.plan import TensorParallelPlan, check_tensor_parallel_settings
 from lightning_shard.wrap import WrapPolicy, validate_policy
 
@@ -56,6 +57,8 @@ class ShardingConfig:
     save_frozen_pretrained_weights: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_plan: TensorParallelPlan = "auto"
+    selective_checkpointing_ops: Sequence[str] | None = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
@@ -68,8 +71,10 @@ class ShardingConfig:
             )
         _check_choice("gradient_accumulation", self.gradient_accumulation, get_args(GradientAccumulation))
         validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
-        validate_policy(self.activation_checkpointing, "activation_checkpointing")
+        if self.activation_checkpointing != SELECTIVE:
+            validate_policy(self.activation_checkpointing, "activation_checkpointing")
         _check_compile(self.compile)
+        self._check_checkpointing_forms()
         check_tensor_parallel_settings(self.tensor_parallel_size, self.tensor_parallel_plan)
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
             raise TypeError(
@@ -114,6 +119,42 @@ class ShardingConfig:
                     f"`{name}={size}` only applies to `sharding_strategy='HYBRID_SHARD'`, "
                     f"not {self.sharding_strategy!r}."
                 )
+
+    def _check_checkpointing_forms(self) -> None:
+        ops = self.selective_checkpointing_ops
+        if ops is not None:
+            if self.activation_checkpointing != SELECTIVE:
+                raise ValueError(
+                    f"`selective_checkpointing_ops={ops!r}` lists the ops whose outputs selective checkpointing keeps; "
+                    "it needs `activation_checkpointing='selective'`."
+                )
+            if isinstance(ops, str) or not ops:
+                raise TypeError(f"`selective_checkpointing_ops={ops!r}` must be a non-empty list of op names.")
+            resolve_ops(ops)
+        budget = self.activation_memory_budget
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise ValueError(
+                f"`activation_memory_budget={budget!r}` is the fraction of the activations to keep, from 0 (recompute "
+                "everything that can be) to 1 (keep all): a number between 0 and 1."
+            )
+        if self.compile is False:
+            raise ValueError(
+                f"`activation_memory_budget={budget}` is a budget for torch.compile's partitioner, which decides what "
+                "backward recomputes; it needs `compile=True`. Without compiling, use `activation_checkpointing="
+                "'selective'` or a module policy such as `['Block']`."
+            )
+        if self.activation_checkpointing is not None:
+            raise ValueError(
+                f"`activation_memory_budget={budget}` lets the compiler choose what to recompute; it replaces "
+                f"`activation_checkpointing={self.activation_checkpointing!r}`: drop one of them."
+            )
+
+    @property
+    def checkpointed_blocks(self) -> WrapPolicy:
+        """The modules ``activation_checkpointing`` names: ``"selective"`` checkpoints the ``"auto"`` blocks."""
+        return "auto" if self.activation_checkpointing == SELECTIVE else self.activation_checkpointing
 
     @property
     def compile_kwargs(self) -> dict[str, Any] | None:

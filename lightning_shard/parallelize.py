@@ -4,7 +4,7 @@ ranks, which modules are checkpointed, which become FSDP units, with which polic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_shard.activation_checkpointing import SELECTIVE, selective_context_fn
 from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
@@ -36,6 +37,7 @@ from lightning_shard.torch_compat import (
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    set_activation_memory_budget,
     visible_name,
 )
 from lightning_shard.wrap import select_modules
@@ -83,9 +85,13 @@ def parallelize_module(
         apply_tensor_parallel_plan(model, mesh[TENSOR_PARALLEL_DIM], config.tensor_parallel_plan)
         mesh = mesh[tuple(name for name in names if name != TENSOR_PARALLEL_DIM)]  # FSDP's: the data-parallel dims
     units = select_modules(model, config.auto_wrap_policy, "auto_wrap_policy")
-    checkpointed = select_modules(model, config.activation_checkpointing, "activation_checkpointing")
-    wrappers = _apply_activation_checkpointing(model, checkpointed)
+    checkpointed = select_modules(model, config.checkpointed_blocks, "activation_checkpointing")
+    selective = config.activation_checkpointing == SELECTIVE
+    context_fn = selective_context_fn(config.selective_checkpointing_ops) if selective else None
+    wrappers = _apply_activation_checkpointing(model, checkpointed, context_fn)
     if config.compile_kwargs is not None:
+        if config.activation_memory_budget is not None:
+            set_activation_memory_budget(config.activation_memory_budget)
         _compile_units([wrappers.get(id(unit), unit) for unit in units], config.compile_kwargs)
 
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -208,8 +214,12 @@ def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> No
             unit.compile(**compile_kwargs)
 
 
-def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) -> dict[int, nn.Module]:
+def _apply_activation_checkpointing(
+    model: nn.Module, modules: list[nn.Module], context_fn: Callable[[], Any] | None
+) -> dict[int, nn.Module]:
     """Wrap ``modules`` in torch's non-reentrant ``checkpoint_wrapper``; map each module's id to its wrapper.
+    ``context_fn``: selective checkpointing's per-op policy (:mod:`lightning_shard.activation_checkpointing`); without
+    it the whole module is recomputed.
 
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; state dicts taken through
     torch.distributed.checkpoint and ``Module.state_dict()`` drop it again, so checkpoints keep the plain names.
@@ -217,9 +227,10 @@ def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) 
     if not modules:
         return {}
     selected = {id(m) for m in modules}
+    selective = {"context_fn": context_fn} if context_fn is not None else {}
     apply_activation_checkpointing(
         model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective),
         check_fn=lambda module: id(module) in selected,
     )
     return {

@@ -10,7 +10,7 @@ materialisation, optimizers), then training with ``block_backward_sync`` around 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -66,7 +66,14 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             minimum parameter count, a callable ``module -> bool``, ``None`` (the root only) or ``"auto"``
             (a Hugging Face model's ``_no_split_modules``, else the block class repeated in ``ModuleList`` /
             ``Sequential`` containers).
-        activation_checkpointing: which submodules recompute their activations in backward, in the same forms.
+        activation_checkpointing: which submodules recompute their activations in backward, in the same forms (the
+            whole module recomputed, its input kept), or ``"selective"``: the ``"auto"`` blocks with torchtitan's
+            per-op policy (the outputs of matmuls and attention kept, but every second matmul's; the rest recomputed).
+        selective_checkpointing_ops: the ops whose outputs ``"selective"`` keeps (aten op overload names, e.g.
+            ``["aten.mm.default", "aten._scaled_dot_product_flash_attention.default"]``); default: torchtitan's list.
+        activation_memory_budget: with ``compile=True`` instead of ``activation_checkpointing``: the fraction of
+            activations torch.compile's partitioner keeps (0 to 1), recomputing the cheapest of the rest
+            (``torch._functorch.config.activation_memory_budget``, process-wide).
         reshard_after_forward: override the strategy's choice for every unit (bool, or an int shard size).
         forward_prefetch: issue each unit's forward all-gather while the unit before it computes (FSDP1's
             ``forward_prefetch``; FSDP2 prefetches in backward already). Costs one more unit's gathered parameters.
@@ -142,6 +149,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         gradient_accumulation: GradientAccumulation = "sharded",
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = "auto",
+        selective_checkpointing_ops: Sequence[str] | None = None,
+        activation_memory_budget: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

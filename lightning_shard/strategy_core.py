@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 
+from lightning_shard.activation_checkpointing import SELECTIVE
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import DATA_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import collective_device, process_group_backend_for
@@ -235,11 +236,12 @@ class ShardedStrategyCore:
         )
 
     def _choose_sharding(self, module: nn.Module, precision: PrecisionPolicy, accumulate_grad_batches: int) -> None:
+        checkpointed = self.config.activation_checkpointing
         choice = choose_sharding(
             module,
             world_size=self.world_size,
             precision=precision.precision,
-            activation_checkpointing=self.config.activation_checkpointing is not None,
+            activation_checkpointing=checkpointed if checkpointed == SELECTIVE else checkpointed is not None,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_accumulation=self.config.gradient_accumulation,
             device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),

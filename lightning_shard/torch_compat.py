@@ -295,3 +295,16 @@ def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
         4
     """
     mesh[dims]._flatten(name)
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """``torch._functorch.config.activation_memory_budget``: the fraction of activations torch.compile's min-cut
+    partitioner keeps for backward (1.0, its default: all it can; less: it recomputes the cheapest to recompute).
+    Process-wide, read when a graph compiles.
+
+    Example:
+        >>> set_activation_memory_budget(0.5)  # doctest: +SKIP
+    """
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = budget

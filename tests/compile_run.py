@@ -37,6 +37,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "compiled": {"compile": FULLGRAPH},
     "eager_checkpointing": {"activation_checkpointing": ["Block"]},
     "compiled_checkpointing": {"activation_checkpointing": ["Block"], "compile": FULLGRAPH},
+    "compiled_selective": {"activation_checkpointing": "selective", "compile": FULLGRAPH},
+    # last: the budget is process-wide (torch._functorch.config), read by every later compilation
+    "compiled_memory_budget": {"activation_memory_budget": 0.5, "compile": FULLGRAPH},
 }
 
 

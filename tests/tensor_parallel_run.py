@@ -72,8 +72,11 @@ class Scenario:
 SCENARIOS = {
     "gpt": Scenario("gpt", save=True),
     "llama": Scenario("llama", {"state_dict_type": "full"}, save=True),
-    # clipped over both mesh dimensions (the clip is active at 0.05), 2 micro-batches per step
-    "gpt_clip_accumulate": Scenario("gpt", trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
+    # clipped over both mesh dimensions (the clip is active at 0.05), 2 micro-batches per step, selective activation
+    # checkpointing of the split blocks
+    "gpt_clip_accumulate": Scenario(
+        "gpt", {"activation_checkpointing": "selective"}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+    ),
     "gpt_bf16": Scenario("gpt", trainer={"precision": "bf16-mixed"}, reference_sharded=True),
     # the 2x2 run's sharded checkpoint of "gpt" at step 3, resumed at any (dp, tp) shape and by one process
     "gpt_resume": Scenario("gpt", resume="gpt-4.ckpt", reference_sharded=True),

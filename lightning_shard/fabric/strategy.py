@@ -56,7 +56,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             ``auto_wrap_policy``, ``activation_checkpointing``, ``reshard_after_forward``, ``forward_prefetch``,
             ``cpu_offload``, ``hybrid_shard_size``, ``reduce_dtype``, ``state_dict_type``, ``async_save``,
             ``cpu_collectives``, ``compile``, ``gradient_accumulation``, ``tensor_parallel_size``,
-            ``tensor_parallel_plan``, ``process_group_backend``, ``timeout``,
+            ``tensor_parallel_plan``, ``selective_checkpointing_ops``, ``activation_memory_budget``,
+            ``process_group_backend``, ``timeout``,
             ``start_method`` - with the same checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated
             (``activation_checkpointing_policy``, ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
             ``gradient_accumulation`` decides what ``fabric.no_backward_sync(model, enabled=True)`` does:

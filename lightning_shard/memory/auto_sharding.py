@@ -40,7 +40,7 @@ def choose_sharding(
     *,
     world_size: int,
     precision: str,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
     device_memory_bytes: int,
     can_offload: bool,
     accumulate_grad_batches: int = 1,

@@ -37,10 +37,13 @@ parameters of the largest wrap unit):
   5·a·s/(h·t))``: the norms' and dropouts' activations stay whole on every rank. The ``5·a·s/h`` term is the attention
   scores, softmax and its dropout mask; fused attention (``scaled_dot_product_attention``'s flash and memory-efficient
   kernels, what the example GPT, transformers' ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with
-  ``fused_attention=False`` (eager attention). With activation checkpointing each layer keeps only its input,
-  ``2·s·b·h`` (16-bit), plus one layer recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero
-  unless ``n_layer``, ``n_embd``, ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what
-  backward holds at its peak.
+  ``fused_attention=False`` (eager attention). With activation checkpointing (``activation_checkpointing=True`` or
+  ``"full"``) each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer recomputed in full; with
+  ``"selective"`` (the per-op policy of :mod:`lightning_shard.activation_checkpointing`) also the outputs it saves,
+  the first and third of a GPT block's four matmuls (qkv ``3h``, MLP in ``4h``) and attention's (``h``), split over
+  the tensor-parallel ranks: ``2·s·b·h·(1 + 8/t)`` per layer, plus one layer recomputed in full. Plus ``4·s·b·V`` for
+  the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``, ``n_head`` and ``seq_len`` are given. All of
+  them at once: an upper bound of what backward holds at its peak.
 * activations are counted as for full fine-tuning also when most parameters are frozen: an upper bound there (a
   frozen layer needs no input saved for its weight gradient, LoRA adapters save little more).
 * not counted: the optimizer step's temporaries (foreach AdamW's, up to a few times the sharded parameters: the
@@ -78,7 +81,7 @@ from torch import nn
 from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
-from lightning_shard.memory.units import count_parameters, mesh_shape
+from lightning_shard.memory.units import checkpointing_mode, count_parameters, mesh_shape
 from lightning_shard.precision import PRECISION_ALIASES
 from lightning_shard.tensor_parallel import TensorParallelPlan, split_parameters
 
@@ -121,7 +124,7 @@ def activation_bytes(
     micro_batch_size: int,
     vocab_size: int | None,
     compute_bytes: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
     fused_attention: bool = True,
     tensor_parallel_size: int = 1,
 ) -> int:
@@ -135,13 +138,17 @@ def activation_bytes(
         90112
         >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, tensor_parallel_size=2)
         45056
+        >>> [activation_bytes(**dims, compute_bytes=2, activation_checkpointing=mode) for mode in ("full", "selective")]
+        [73728, 106496]
     """
     sbh = seq_len * micro_batch_size * n_embd
     scale = compute_bytes / 2  # the formula counts 16-bit activations
     t = tensor_parallel_size
     scores = 0 if fused_attention else 5 * n_head * seq_len / (n_embd * t)
     layer = sbh * (10 + 24 / t + scores) * scale
-    layers = n_layer * 2 * sbh * scale + layer if activation_checkpointing else n_layer * layer
+    mode = checkpointing_mode(activation_checkpointing)
+    kept = {"full": 2 * sbh, "selective": 2 * sbh * (1 + 8 / t)}  # per checkpointed layer (module docstring)
+    layers = n_layer * kept[mode] * scale + layer if mode in kept else n_layer * layer
     logits = 4 * seq_len * micro_batch_size * vocab_size if vocab_size else 0
     return int(layers + logits)
 
@@ -169,7 +176,7 @@ def estimate_memory(
     sharding_strategy: ShardingStrategy = "FULL_SHARD",
     precision: str | int = "32-true",
     cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     optimizer: str = "adamw",
     accumulate_grad_batches: int = 1,
     gradient_accumulation: GradientAccumulation = "sharded",
@@ -225,6 +232,7 @@ def estimate_memory(
             f"gradient_accumulation must be one of {get_args(GradientAccumulation)}, got {gradient_accumulation!r}"
         )
     precision = _normalise_precision(precision)
+    checkpointing_mode(activation_checkpointing)
     config = {
         "mode": mode,
         "world_size": world_size,

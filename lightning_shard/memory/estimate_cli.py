@@ -120,8 +120,11 @@ def _strategy_options(trainer: dict[str, Any]) -> dict[str, Any]:
         "gradient_accumulation": init_args.get("gradient_accumulation", "sharded"),
         "sharding_strategy": init_args.get("sharding_strategy", "FULL_SHARD"),
         "cpu_offload": bool(init_args.get("cpu_offload", False)),
-        # The strategy takes a wrap policy here (e.g. ["Block"]); any policy means checkpointed blocks.
-        "activation_checkpointing": bool(init_args.get("activation_checkpointing")),
+        # The strategy takes a wrap policy here (e.g. ["Block"]): any policy means checkpointed blocks, recomputed whole
+        # unless "selective" (per op).
+        "activation_checkpointing": checkpointed
+        if (checkpointed := init_args.get("activation_checkpointing")) == "selective"
+        else bool(checkpointed),
     }
 
 

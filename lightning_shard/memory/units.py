@@ -1,4 +1,5 @@
-"""What the estimator and the simulator both read off a model: its wrap units, parameter counts and the mesh."""
+"""What the estimator and the simulator both read off a model and its settings: its wrap units, parameter counts, the
+mesh and the activation checkpointing mode."""
 
 from collections.abc import Collection
 from typing import NamedTuple
@@ -76,3 +77,22 @@ def mesh_shape(
     """
     config = ShardingConfig(sharding_strategy=sharding_strategy, tensor_parallel_size=tensor_parallel_size)  # type: ignore[arg-type]
     return config.mesh_shape(world_size, devices_per_node=world_size // num_nodes)
+
+
+def checkpointing_mode(activation_checkpointing: bool | str | None) -> str:
+    """``"none"``, ``"full"`` or ``"selective"`` for the estimator's ``activation_checkpointing`` (a bool: none or
+    full).
+
+    Example:
+        >>> checkpointing_mode(True), checkpointing_mode("selective")
+        ('full', 'selective')
+    """
+    if activation_checkpointing in (False, None, "none"):
+        return "none"
+    if activation_checkpointing in (True, "full"):
+        return "full"
+    if activation_checkpointing == "selective":
+        return "selective"
+    raise ValueError(
+        f"activation_checkpointing must be a bool, 'none', 'full' or 'selective', got {activation_checkpointing!r}"
+    )
