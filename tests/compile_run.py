@@ -46,6 +46,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 def run(name: str, devices: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
+    # Each scenario compiles its own graphs: a block compiled by an earlier scenario (the same code) would otherwise
+    # be reused from dynamo's cache, with the settings it was compiled under (the memory budget is read at compile).
+    torch._dynamo.reset()
     counters.clear()
     L.seed_everything(0, verbose=False)
     model = GPT(**TINY, max_steps=STEPS)

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_run import llama_config  # noqa: E402
+from hf_run import litgpt_config, llama_config  # noqa: E402
 from toy import FULL, N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler  # noqa: E402
 
 import lightning_shard  # noqa: E402
@@ -88,6 +88,7 @@ SCENARIOS = {
     # a configure_model() written for ModelParallelStrategy (parallelize_module + fully_shard by hand): kept
     "gpt_by_hand": Scenario("gpt", by_hand=True),
     "fabric_gpt": Scenario("gpt", fabric=True),
+    "litgpt": Scenario("litgpt"),
     "pretrained": Scenario("llama", source="pretrained"),
     "lora": Scenario("llama", lora=True),
 }
@@ -141,6 +142,33 @@ class Llama(L.LightningModule):
     def generate_after_fit(self) -> list[list[int]]:
         with torch.no_grad():
             return self.model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+
+
+class LitGPT(L.LightningModule):
+    """litgpt's ``GPT`` (a tiny Llama-style config) built in ``configure_model()``: its plan is the one lightning-shard
+    ships for it (MLP and vocabulary split, attention whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_hand = False
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from litgpt import GPT as LitgptGPT
+
+            self.model = LitgptGPT(litgpt_config())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def generate_after_fit(self) -> list[list[int]]:
+        with torch.no_grad():
+            return self.model(torch.tensor(PROMPT)).argmax(-1).tolist()
 
 
 class TinyGPT(GPT):
@@ -290,6 +318,8 @@ def run_fabric(name: str, devices: int, tp: int, out: Path) -> None:
 def _model(scenario: Scenario, checkpoints: Path) -> L.LightningModule:
     if scenario.family == "gpt":
         return TinyGPT()
+    if scenario.family == "litgpt":
+        return LitGPT()
     return Llama(scenario.source, str(checkpoints / "llama-pretrained"), lora=scenario.lora)
 
 

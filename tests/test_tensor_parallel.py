@@ -41,7 +41,7 @@ SCRIPT = "tests/tensor_parallel_run.py"
 BOTH = ["gpt", "llama"]
 TWO_BY_TWO = [*BOTH, "gpt_resume", "gpt_clip_accumulate", "gpt_bf16", "pretrained", "lora", "gpt_by_hand",
               "fabric_gpt"]  # fmt: skip
-ONE_BY_TWO = [*BOTH, "gpt_resume", "gpt_resume_full", "gpt_auto"]
+ONE_BY_TWO = [*BOTH, "gpt_resume", "gpt_resume_full", "gpt_auto", "litgpt"]
 AFTER_MODEL_PARALLEL = ["gpt_resume_mp"]  # one process (the sharded strategy) resumes ModelParallelStrategy's save
 
 
@@ -173,6 +173,17 @@ def test_a_configure_model_that_shards_by_hand_is_kept(results: dict[str, Path])
     assert run["parameter_bytes"] == load(results, "2x2", "gpt")["parameter_bytes"]
 
 
+def test_litgpt_with_the_plan_lightning_shard_ships(results: dict[str, Path]) -> None:
+    run, ref = load(results, "1x2", "litgpt"), load(results, "ref", "litgpt")
+    assert_close(run, ref)
+    assert max_weight_diff(run["start"], ref["start"]) == 0.0
+    placements = run["tensor_parallel_placements"]
+    assert placements["model.transformer.h.0.mlp.fc_1.weight"] == "S(0)"
+    assert placements["model.transformer.h.0.mlp.proj.weight"] == "S(1)"
+    assert placements["model.lm_head.weight"] == "S(0)"
+    assert placements["model.transformer.h.0.attn.qkv.weight"] is None  # attention whole (module docstring)
+
+
 def test_full_file_conversion_holds_the_sharded_checkpoint(results: dict[str, Path]) -> None:
     sharded = read_sharded_keys(results["ckpt"] / "gpt-4.ckpt", {"state_dict"})["state_dict"]
     full = torch.load(results["ckpt"] / "gpt-4-full.ckpt", weights_only=False)["state_dict"]
@@ -288,6 +299,16 @@ def test_estimate_of_the_13b_gpt_with_tensor_parallelism() -> None:
     assert fsdp.per_rank.params == pytest.approx(4 * whole / 16, abs=8)
     # Korthikanti's tensor-parallel activations (10 + 24/8 instead of 34 s·b·h for the recomputed layer)
     assert tp.per_rank.activations < fsdp.per_rank.activations
+
+
+def test_the_13b_tensor_parallel_config_builds_its_strategy() -> None:
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "configs" / "gpt3_13b_tp8.yaml").read_text())
+    strategy = ShardedStrategy(**config["trainer"]["strategy"]["init_args"])
+    assert (config["trainer"]["devices"], config["trainer"]["num_nodes"]) == (8, 2)
+    assert strategy.config.mesh_shape(16, 8) == (2,)  # FSDP over one rank per node; 8-way splits inside the node
+    assert strategy.config.mesh_dim_names(1) == ("shard", "tensor_parallel")
 
 
 def test_the_gpt_example_refuses_a_size_that_does_not_divide_its_heads() -> None:
