@@ -13,7 +13,6 @@ checkpoints the scenarios save and resume from.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,11 +21,9 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
@@ -34,14 +31,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_run import litgpt_config, llama_config  # noqa: E402
+from hf_run import count_elements_read, litgpt_config, llama_config, per_rank  # noqa: E402
 from toy import FULL, N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
 import lightning_shard.hf  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
-from lightning_shard.hf.safetensors_files import slice_reader_class  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MAX_STEPS, SAVE_STEP = 128, 16, 8, 6, 3
 PROMPT = [[1, 5, 9, 13, 17]]
@@ -244,7 +240,7 @@ def run(name: str, devices: int, tp: int, mode: str, checkpoints: Path, out: Pat
         return
     model = _model(scenario, checkpoints)
     model.by_hand = mode == "model_parallel" or (scenario.by_hand and mode == "sharded")
-    read = _count_elements_read() if scenario.source == "pretrained" else None
+    read = count_elements_read() if scenario.source == "pretrained" else None
     sharded = mode == "sharded" or (mode == "reference" and scenario.reference_sharded)
     tensor_parallel = tp if mode != "reference" else 1
     if mode == "model_parallel":
@@ -259,15 +255,8 @@ def run(name: str, devices: int, tp: int, mode: str, checkpoints: Path, out: Pat
     checkpoint = checkpoints / f"{name}-{devices}{'-mp' if mode == 'model_parallel' else ''}.ckpt"
     if scenario.save and not full_save:
         callbacks.append(SaveAt(SAVE_STEP, checkpoint))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=MAX_STEPS,
-        callbacks=callbacks,
-        **QUIET,
-        **scenario.trainer,
-    )
+    where = {"accelerator": "cpu", "devices": devices, "strategy": strategy}
+    trainer = L.Trainer(**where, max_steps=MAX_STEPS, callbacks=callbacks, **QUIET, **scenario.trainer)
     resume = str(checkpoints / scenario.resume) if scenario.resume else None
     trainer.fit(model, train_dataloaders=token_loader(tensor_parallel), ckpt_path=resume)
     if scenario.save and full_save:
@@ -276,13 +265,13 @@ def run(name: str, devices: int, tp: int, mode: str, checkpoints: Path, out: Pat
         "losses": recorder.losses,
         "start": start.weights,
         "weights": get_model_state_dict(model, options=FULL),
-        "parameter_bytes": _per_rank(_parameter_bytes(model)),
+        "parameter_bytes": per_rank(_parameter_bytes(model)),
         "generated": model.generate_after_fit(),
         "sharding_strategy": getattr(getattr(trainer.strategy, "config", None), "sharding_strategy", None),
         "tensor_parallel_placements": _tensor_parallel_placements(model),
     }
     if read is not None:
-        result["elements_read"] = _per_rank(read["elements"])
+        result["elements_read"] = per_rank(read["elements"])
     if trainer.is_global_zero:
         torch.save(result, out / f"{name}.pt")
 
@@ -336,29 +325,6 @@ def _parameter_bytes(model: nn.Module) -> int:
     """The bytes of this rank's parameters (their TP-split and FSDP-sharded pieces, or whole ones)."""
     local = [getattr(param, "_local_tensor", param) for param in model.parameters()]
     return sum(tensor.numel() * tensor.element_size() for tensor in local)
-
-
-def _count_elements_read() -> dict[str, int]:
-    """Count the tensor elements this rank reads from the safetensors files."""
-    read = {"elements": 0}
-    reader = slice_reader_class(HuggingFaceStorageReader)
-    original = reader._process_read_request
-
-    @functools.wraps(original)
-    def counting(self: Any, f: Any, req: Any, planner: Any) -> None:
-        read["elements"] += int(torch.Size(req.lengths).numel())
-        original(self, f, req, planner)
-
-    reader._process_read_request = counting  # type: ignore[method-assign]
-    return read
-
-
-def _per_rank(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 def main() -> None:

@@ -37,10 +37,7 @@ def transformers_plans(model: nn.Module, size: int) -> list[ResolvedPlan] | None
         >>> transformers_plans(nn.Linear(2, 2), 2) is None
         True
     """
-    found = outermost_pretrained_models(model)
-    if not found:
-        return None
-    return [_plan(hf_model) for hf_model in found]
+    return [_plan(hf_model) for hf_model in outermost_pretrained_models(model)] or None
 
 
 def _plan(hf_model: nn.Module) -> ResolvedPlan:

@@ -32,10 +32,8 @@ def litgpt_plans(model: nn.Module, size: int) -> list[ResolvedPlan] | None:
         >>> litgpt_plans(nn.Linear(2, 2), 2) is None
         True
     """
-    found = _outermost(model)
-    if not found:
-        return None
-    return [module_plan(gpt, _patterns(gpt), "litgpt GPT's plan (lightning-shard)", prefix) for prefix, gpt in found]
+    origin = "litgpt GPT's plan (lightning-shard)"
+    return [module_plan(gpt, _patterns(gpt), origin, prefix) for prefix, gpt in _outermost(model)] or None
 
 
 def _patterns(gpt: nn.Module) -> dict[str, str]:
