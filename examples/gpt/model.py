@@ -187,8 +187,15 @@ class GPT(CausalLM):
         x = tr.drop(tr.wte(idx) + tr.wpe(positions))
         for block in tr.h:
             x = block(x)
-        # Output projection tied to the token embedding: one (vocab, n_embd) parameter, no separate lm_head.
-        return tied_output(tr.ln_f(x), tr.wte.weight)
+        # Output projection tied to the token embedding: one (vocab, n_embd) parameter, no separate lm_head. Under
+        # tensor parallelism that weight's vocabulary rows are split over the tensor-parallel ranks (a DTensor): each
+        # rank computes its part of the vocabulary's logits, then all are gathered for the loss.
+        x, weight = tr.ln_f(x), tr.wte.weight
+        if isinstance(weight, DTensor):
+            return F.linear(
+                DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False), weight
+            ).full_tensor()
+        return F.linear(x, weight)
 
     def tensor_parallel_plan(self, size: int) -> dict[str, str]:
         """What ``ShardedStrategy(tensor_parallel_size=size)`` splits (``tensor_parallel_plan="auto"``): each block's
@@ -243,21 +250,6 @@ class GPT(CausalLM):
             next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat([idx, next_token], dim=1)
         return idx
-
-
-def tied_output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` with the embedding's weight. Under tensor parallelism that weight's vocabulary rows are split
-    over the tensor-parallel ranks (a DTensor): each rank computes its part of the vocabulary's logits, then all
-    are gathered for the loss.
-
-    Example:
-        >>> tied_output(torch.ones(1, 2, 4), torch.ones(16, 4)).shape
-        torch.Size([1, 2, 16])
-    """
-    if not isinstance(weight, DTensor):
-        return F.linear(x, weight)
-    replicated = DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False)
-    return F.linear(replicated, weight).full_tensor()
 
 
 def count_parameters(model: nn.Module) -> int:
