@@ -76,6 +76,11 @@ class ShardingConfig:
         _check_compile(self.compile)
         self._check_checkpointing_forms()
         check_tensor_parallel_settings(self.tensor_parallel_size, self.tensor_parallel_plan)
+        if self.tensor_parallel_size > 1 and self.cpu_collectives != "gloo":
+            raise ValueError(
+                f"`cpu_collectives={self.cpu_collectives!r}` replaces FSDP2's collectives on data-parallel meshes "
+                "only; with `tensor_parallel_size > 1` keep the default 'gloo'."
+            )
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
             raise TypeError(
                 f"`cpu_offload={self.cpu_offload!r}` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`."

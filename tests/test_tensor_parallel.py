@@ -245,6 +245,7 @@ def test_mesh_shapes_and_names() -> None:
         ({"tensor_parallel_size": 2, "tensor_parallel_plan": "megatron"}, ValueError, "pass 'auto'"),
         ({"tensor_parallel_size": 2, "tensor_parallel_plan": {"h.*.fc": "col"}}, ValueError, "'col' is not a style"),
         ({"tensor_parallel_size": 2, "tensor_parallel_plan": {}}, TypeError, "non-empty dict"),
+        ({"tensor_parallel_size": 2, "cpu_collectives": "shared_memory"}, ValueError, "keep the default 'gloo'"),
     ],
 )
 def test_settings_are_checked_when_the_strategy_is_built(kwargs: dict, error: type, match: str) -> None:
