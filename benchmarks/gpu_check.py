@@ -6,9 +6,14 @@ bf16-mixed, 16-mixed (grad scaler) and ``fully_sharded_offload``, each with vali
 run's; a full (one-file) save whose loaded weights validate to the same loss.
 
 Part 2, GPT-3 XL (1.3B, ``configs/gpt3_xl.yaml``'s model section, random tokens), bf16-mixed, eager and compiled
-(``ShardedStrategy(compile=True)``), activation checkpointing on and off: tokens/s, MFU against the device's dense
-bf16 peak (looked up by its exact name, or ``--peak-tflops``), each step timed between ``torch.cuda.synchronize()``
-calls, peak allocated and reserved memory and their ratio to ``lightning_shard.estimate_memory``'s figure.
+(``ShardedStrategy(compile=True)``), activation checkpointing off, full (``["Block"]``) and selective (per op):
+tokens/s, MFU against the device's dense bf16 peak (looked up by its exact name, or ``--peak-tflops``), each step
+timed between ``torch.cuda.synchronize()`` calls, peak allocated and reserved memory and their ratio to
+``lightning_shard.estimate_memory``'s figure.
+
+Part 3, on a machine with two or more GPUs (and in ``--cpu-smoke`` on 2 CPU ranks, the tiny GPT): the same model on
+2 devices as FSDP alone and as tensor parallelism over both (``tensor_parallel_size=2``), the same global batch:
+their losses agree, tokens/s and peak memory of each.
 
 Every item runs in its own subprocess, so one failure does not hide the others; ``benchmarks/results/gpu_check.json``
 records each item's figures, pass/fail and error, and a table is printed. No LightningCLI (the GPU machine has no
@@ -67,7 +72,10 @@ PEAK_BF16_FLOPS = {
 }
 # Seconds an item may run before its processes are ended: part 1 takes about 30 s per item on a GPU, a compiled
 # 1.3B configuration about 2 minutes (mostly inductor).
-ITEM_TIMEOUT_S = {1: 180, 2: 300}
+ITEM_TIMEOUT_S = {1: 180, 2: 300, 3: 300}
+# Items that run on more devices than the target's one GPU: tensor parallelism needs two.
+ITEM_DEVICES = {"tensor_parallel": 2}
+CHECKPOINTING = {"none": None, "full": ["Block"], "selective": "selective"}
 GIB, MIB = 2**30, 2**20
 
 
@@ -116,7 +124,7 @@ def throughput(
     return {"median_step_seconds": step, "tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak}
 
 
-def estimated_device_bytes(model: GPT, *, precision: str, activation_checkpointing: bool, batch_size: int) -> int:
+def estimated_device_bytes(model: GPT, *, precision: str, activation_checkpointing: bool | str, batch_size: int) -> int:
     """``lightning_shard.estimate_memory``'s device figure for one rank of ``model`` with these settings (the one
     place the estimator is called; keyword arguments only).
 
@@ -227,12 +235,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _trainer(target: Target, strategy: Any, precision: str, steps: int, callbacks: list[Callback], **kw: Any):
+def _trainer(
+    target: Target,
+    strategy: Any,
+    precision: str,
+    steps: int,
+    callbacks: list[Callback],
+    devices: int | None = None,
+    **kw: Any,
+):
     # Lightning turns `precision="16-mixed"` into bf16 on a CPU accelerator; the plugin keeps fp16 there.
     cpu_fp16 = precision == "16-mixed" and not target.on_gpu
     return L.Trainer(
         accelerator=target.accelerator,
-        devices=target.devices,
+        devices=devices or target.devices,
         strategy=strategy,
         **({"plugins": [ShardedPrecision(precision)]} if cpu_fp16 else {"precision": precision}),
         max_steps=steps,
@@ -378,13 +394,14 @@ def item_full_checkpoint(target: Target, work: Path) -> list[dict[str, Any]]:
     return [_row(1, "full save and load", checks, {"val_loss": trained, "val_loss_difference": difference})]
 
 
-def item_xl(target: Target, work: Path, compile: bool, checkpointing: bool, peak: float) -> list[dict[str, Any]]:
-    """GPT-3 XL on one GPU, bf16-mixed: timed steps, tokens/s, MFU, peak memory against the estimate."""
+def item_xl(target: Target, work: Path, compile: bool, checkpointing: str, peak: float) -> list[dict[str, Any]]:
+    """GPT-3 XL on one GPU, bf16-mixed: timed steps, tokens/s, MFU, peak memory against the estimate;
+    ``checkpointing``: "none", "full" or "selective"."""
     warmup, timed, batch = 3, 10, 8
     model = GPT(**{**target.xl, "max_steps": warmup + timed})
     timer = SynchronisedStepTimer()
     strategy = ShardedStrategy(
-        auto_wrap_policy=["Block"], activation_checkpointing=["Block"] if checkpointing else None, compile=compile
+        auto_wrap_policy=["Block"], activation_checkpointing=CHECKPOINTING[checkpointing], compile=compile
     )
     trainer = _trainer(
         target, strategy, "bf16-mixed", warmup + timed, [timer], gradient_clip_val=1.0, enable_checkpointing=False
@@ -413,8 +430,59 @@ def item_xl(target: Target, work: Path, compile: bool, checkpointing: bool, peak
         },
     }
     checks = {"ran": len(timer.seconds) == warmup + timed}
-    mode = f"{'compiled' if compile else 'eager'}, activation checkpointing {'on' if checkpointing else 'off'}"
+    mode = f"{'compiled' if compile else 'eager'}, activation checkpointing {checkpointing}"
     return [_row(2, f"GPT-3 XL 1.3B, bf16-mixed, {mode}", checks, figures)]
+
+
+def item_tensor_parallel(target: Target, work: Path) -> list[dict[str, Any]]:
+    """One model on 2 devices, FSDP alone and 1 x 2 tensor parallelism: the same global batch every step (FSDP: half
+    on each rank; tensor parallelism: all of it on both), so their losses agree; tokens/s and peak memory of each.
+    On a GPU the XL model in bf16-mixed; in ``--cpu-smoke`` the tiny one in fp32."""
+    warmup, timed = (2, 6) if target.on_gpu else (1, 3)
+    dims = target.xl if target.on_gpu else target.tiny
+    global_batch = 8 if target.on_gpu else 4
+    precision = "bf16-mixed" if target.on_gpu else "32-true"
+    runs: dict[str, dict[str, Any]] = {}
+    for name, size in (("fsdp", 1), ("tensor_parallel", 2)):
+        L.seed_everything(0, verbose=False)
+        model = GPT(**{**dims, "max_steps": warmup + timed})
+        timer, losses = SynchronisedStepTimer(), LossRecorder()
+        strategy = ShardedStrategy(auto_wrap_policy=["Block"], tensor_parallel_size=size)
+        trainer = _trainer(target, strategy, precision, warmup + timed, [timer, losses], devices=2,
+                           enable_checkpointing=False, use_distributed_sampler=True)  # fmt: skip
+        data = random_token_dataset(global_batch * (warmup + timed), dims["block_size"], dims["vocab_size"])
+        if target.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        # the sampler spans the data-parallel ranks: 2 under FSDP, 1 under tensor parallelism
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=global_batch * size // 2))
+        step = median(timer.seconds[warmup:])
+        runs[name] = {
+            "losses": losses.losses,
+            "tokens_per_s": global_batch * dims["block_size"] / step,
+            "median_step_seconds": step,
+            "max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if target.on_gpu else None,
+            "parameter_bytes": sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()),
+        }
+    tolerance = 5e-2 if target.on_gpu else 1e-5  # bf16: the split matmuls sum their partial products apart
+    difference = max(abs(a - b) for a, b in zip(runs["fsdp"]["losses"], runs["tensor_parallel"]["losses"], strict=True))
+    checks = {
+        "losses finite": all(math.isfinite(x) for run in runs.values() for x in run["losses"]),
+        f"the same losses (<= {tolerance:g})": difference <= tolerance,
+    }
+    figures = {
+        "max_loss_difference": difference,
+        "tokens_per_s_fsdp": runs["fsdp"]["tokens_per_s"],
+        "tokens_per_s_tensor_parallel": runs["tensor_parallel"]["tokens_per_s"],
+        "tensor_parallel_over_fsdp_speed": runs["tensor_parallel"]["tokens_per_s"] / runs["fsdp"]["tokens_per_s"],
+        "parameter_bytes_fsdp": runs["fsdp"]["parameter_bytes"],
+        "parameter_bytes_tensor_parallel": runs["tensor_parallel"]["parameter_bytes"],
+        "runs": runs,
+    }
+    if target.on_gpu:
+        figures["peak_allocated_fsdp_GiB"] = runs["fsdp"]["max_memory_allocated_bytes"] / GIB
+        figures["peak_allocated_tensor_parallel_GiB"] = runs["tensor_parallel"]["max_memory_allocated_bytes"] / GIB
+    model_name = "GPT-3 XL, bf16-mixed" if target.on_gpu else "tiny GPT, fp32"
+    return [_row(3, f"{model_name} on 2 devices: FSDP alone vs tensor parallel 1 x 2", checks, figures)]
 
 
 def _row(part: int, check: str, checks: dict[str, bool], figures: dict[str, Any]) -> dict[str, Any]:
@@ -430,16 +498,17 @@ def items(target: Target, peak: float | None) -> dict[str, Callable[[Path], list
         "offload": lambda work: item_offload(target, work),
         "full_checkpoint": lambda work: item_full_checkpoint(target, work),
     }
+    part3 = {"tensor_parallel": lambda work: item_tensor_parallel(target, work)}
     if not target.on_gpu:
-        return part1
+        return {**part1, **part3}
     part2 = {
-        f"xl_{'compiled' if c else 'eager'}_{'ckpt' if a else 'nockpt'}": (
+        f"xl_{'compiled' if c else 'eager'}_{a}": (
             lambda work, c=c, a=a: item_xl(target, work, compile=c, checkpointing=a, peak=peak)
         )
         for c in (False, True)
-        for a in (False, True)
+        for a in CHECKPOINTING
     }
-    return {**part1, **part2}
+    return {**part1, **part2, **(part3 if torch.cuda.device_count() >= 2 else {})}
 
 
 def run_item(name: str, target: Target, peak: float | None, out: Path) -> None:
@@ -470,8 +539,9 @@ def run_in_subprocess(name: str, args: argparse.Namespace, target: Target, work:
     command += ["--cpu-smoke"] if args.cpu_smoke else []
     command += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops is not None else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    part = 2 if name.startswith("xl") else 1
+    part = 2 if name.startswith("xl") else 3 if name in ITEM_DEVICES else 1
     timeout = ITEM_TIMEOUT_S[part]
+    devices = ITEM_DEVICES.get(name, target.devices)
     start = time.perf_counter()
     with log.open("w") as log_file:
         # A session of its own: on a timeout the whole group (rank 0 and the ranks it launched) is ended.
@@ -486,10 +556,10 @@ def run_in_subprocess(name: str, args: argparse.Namespace, target: Target, work:
             process.wait()
             problem = f"timed out after {timeout} s"
     seconds = time.perf_counter() - start
-    problem = problem or _other_ranks_problem(out, target.devices)
+    problem = problem or _other_ranks_problem(out, devices)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     if problem or not rows:
-        ranks = [_rank_file(out, r) for r in range(target.devices)]
+        ranks = [_rank_file(out, r) for r in range(devices)]
         errors = [error for f in ranks if f.exists() and (error := json.loads(f.read_text())["error"])]
         details = "\n".join(errors) or "log tail:\n" + "".join(log.read_text().splitlines(True)[-25:])
         error = f"{problem or 'no result'}: {details}"
@@ -541,6 +611,8 @@ def report(rows: list[dict[str, Any]], target: Target, device_name: str) -> dict
         "one device, 3 warm-up + 10 timed steps, each between torch.cuda.synchronize() calls; MFU = FLOPs per token "
         "(PaLM appendix B) x tokens/s / the device's dense bf16 peak; peaks from torch.cuda.max_memory_allocated / "
         "reserved over the fit; estimate = lightning_shard.estimate_memory, same settings.",
+        "Part 3 (two or more GPUs; --cpu-smoke: 2 CPU ranks, the tiny GPT): the model on 2 devices as FSDP alone "
+        "and as tensor parallelism 1 x 2, the same global batch per step; losses compared, tokens/s of each.",
     ]
     columns = ["part", "check", "result", "tokens/s", "MFU", "peak allocated GiB", "peak reserved GiB"]
     columns += ["estimate GiB", "allocated / estimate", "details", "failed / error"]

@@ -26,6 +26,8 @@ EXPECTED = {
     "fabric_speed": "python benchmarks/fabric_speed.py",
     "model_state_scaling": "python benchmarks/model_state_scaling.py",
     "lora_memory": "python benchmarks/lora_memory.py",
+    "tensor_parallel": "python benchmarks/tensor_parallel.py",
+    "activation_checkpointing": "python benchmarks/activation_checkpointing.py",
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
     "meta_build": "python benchmarks/meta_build.py",
     "init_rule": "python benchmarks/init_rule.py",

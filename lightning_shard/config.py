@@ -6,13 +6,15 @@ Every check here runs before any process starts, and every error names the value
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from lightning_shard.activation_checkpointing import SELECTIVE, resolve_ops
+from lightning_shard.tensor_parallel.plan import TensorParallelPlan, check_tensor_parallel_settings
 from lightning_shard.wrap import WrapPolicy, validate_policy
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"]
@@ -20,6 +22,10 @@ StateDictType = Literal["sharded", "full"]
 CpuCollectives = Literal["gloo", "shared_memory"]
 # Where gradients accumulate over the micro-batches of one optimizer step (Trainer(accumulate_grad_batches=k)).
 GradientAccumulation = Literal["sharded", "unsharded"]
+# The mesh dimension names Lightning's ModelParallelStrategy gives its 2-D mesh; the data-parallel one is an alias
+# of the "replicate" / "shard" dimensions (flattened), which keep their names.
+TENSOR_PARALLEL_DIM = "tensor_parallel"
+DATA_PARALLEL_DIM = "data_parallel"
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class ShardingConfig:
         False
         >>> ShardingConfig(sharding_strategy="HYBRID_SHARD").mesh_shape(world_size=8, devices_per_node=4)
         (2, 4)
+        >>> ShardingConfig(tensor_parallel_size=2).mesh_shape(world_size=8, devices_per_node=4)
+        (4,)
     """
 
     sharding_strategy: ShardingStrategyName = "FULL_SHARD"
@@ -47,6 +55,10 @@ class ShardingConfig:
     compile: bool | Mapping[str, Any] = False
     gradient_accumulation: GradientAccumulation = "sharded"
     save_frozen_pretrained_weights: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: TensorParallelPlan = "auto"
+    selective_checkpointing_ops: Sequence[str] | None = None
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("sharding_strategy", self.sharding_strategy, get_args(ShardingStrategyName))
@@ -59,8 +71,16 @@ class ShardingConfig:
             )
         _check_choice("gradient_accumulation", self.gradient_accumulation, get_args(GradientAccumulation))
         validate_policy(self.auto_wrap_policy, "auto_wrap_policy")
-        validate_policy(self.activation_checkpointing, "activation_checkpointing")
+        if self.activation_checkpointing != SELECTIVE:
+            validate_policy(self.activation_checkpointing, "activation_checkpointing")
         _check_compile(self.compile)
+        self._check_checkpointing_forms()
+        check_tensor_parallel_settings(self.tensor_parallel_size, self.tensor_parallel_plan)
+        if self.tensor_parallel_size > 1 and self.cpu_collectives != "gloo":
+            raise ValueError(
+                f"`cpu_collectives={self.cpu_collectives!r}` replaces FSDP2's collectives on data-parallel meshes "
+                "only; with `tensor_parallel_size > 1` keep the default 'gloo'."
+            )
         if not isinstance(self.cpu_offload, (bool, CPUOffloadPolicy)):
             raise TypeError(
                 f"`cpu_offload={self.cpu_offload!r}` must be a bool or a `torch.distributed.fsdp.CPUOffloadPolicy`."
@@ -105,6 +125,42 @@ class ShardingConfig:
                     f"not {self.sharding_strategy!r}."
                 )
 
+    def _check_checkpointing_forms(self) -> None:
+        ops = self.selective_checkpointing_ops
+        if ops is not None:
+            if self.activation_checkpointing != SELECTIVE:
+                raise ValueError(
+                    f"`selective_checkpointing_ops={ops!r}` lists the ops whose outputs selective checkpointing keeps; "
+                    "it needs `activation_checkpointing='selective'`."
+                )
+            if isinstance(ops, str) or not ops:
+                raise TypeError(f"`selective_checkpointing_ops={ops!r}` must be a non-empty list of op names.")
+            resolve_ops(ops)
+        budget = self.activation_memory_budget
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise ValueError(
+                f"`activation_memory_budget={budget!r}` is the fraction of the activations to keep, from 0 (recompute "
+                "everything that can be) to 1 (keep all): a number between 0 and 1."
+            )
+        if self.compile is False:
+            raise ValueError(
+                f"`activation_memory_budget={budget}` is a budget for torch.compile's partitioner, which decides what "
+                "backward recomputes; it needs `compile=True`. Without compiling, use `activation_checkpointing="
+                "'selective'` or a module policy such as `['Block']`."
+            )
+        if self.activation_checkpointing is not None:
+            raise ValueError(
+                f"`activation_memory_budget={budget}` lets the compiler choose what to recompute; it replaces "
+                f"`activation_checkpointing={self.activation_checkpointing!r}`: drop one of them."
+            )
+
+    @property
+    def checkpointed_blocks(self) -> WrapPolicy:
+        """The modules ``activation_checkpointing`` names: ``"selective"`` checkpoints the ``"auto"`` blocks."""
+        return "auto" if self.activation_checkpointing == SELECTIVE else self.activation_checkpointing
+
     @property
     def compile_kwargs(self) -> dict[str, Any] | None:
         """``torch.compile`` keyword arguments for each FSDP unit, or ``None`` to run eagerly.
@@ -125,29 +181,61 @@ class ShardingConfig:
         return self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
     def mesh_shape(self, world_size: int, devices_per_node: int) -> tuple[int, ...]:
-        """The data-parallel mesh: ``(world,)`` to shard over all ranks, ``(replicas, shard_size)`` otherwise.
+        """The data-parallel mesh: ``(dp,)`` to shard over all data-parallel ranks, ``(replicas, shard_size)``
+        otherwise; ``dp`` is the world divided by ``tensor_parallel_size`` (the strategy adds the tensor-parallel
+        dimension last, :meth:`mesh_dim_names`).
 
-        NO_SHARD is FSDP2 on a ``(world, 1)`` mesh: each parameter is replicated and "sharded" over one rank.
-        "auto" gets the 1-D mesh until the model is known and the strategy is chosen.
+        NO_SHARD is FSDP2 on a ``(dp, 1)`` mesh: each parameter is replicated and "sharded" over one rank.
+        "auto" gets the 1-D mesh until the model is known and the strategy is chosen. Under HYBRID_SHARD a shard
+        group is one node's data-parallel ranks by default: ``devices_per_node / tensor_parallel_size``.
         """
+        data_parallel = self.data_parallel_size(world_size)
         if self.sharding_strategy == "NO_SHARD":
-            return (world_size, 1)
+            return (data_parallel, 1)
         if self.sharding_strategy != "HYBRID_SHARD":
-            return (world_size,)
-        shard_size = self.hybrid_shard_size or devices_per_node
-        if self.hybrid_replicas is not None and self.hybrid_replicas * shard_size != world_size:
+            return (data_parallel,)
+        shard_size = self.hybrid_shard_size or max(devices_per_node // self.tensor_parallel_size, 1)
+        # Under tensor parallelism the data-parallel ranks are what the replicas and shard groups divide.
+        ranks = "ranks" if self.tensor_parallel_size == 1 else "data-parallel ranks"
+        world = "world size" if self.tensor_parallel_size == 1 else "data-parallel size"
+        if self.hybrid_replicas is not None and self.hybrid_replicas * shard_size != data_parallel:
             raise ValueError(
                 f"`device_mesh=({self.hybrid_replicas}, {shard_size})` describes {self.hybrid_replicas * shard_size} "
-                f"ranks, but the job has {world_size} (num_nodes x devices); pass "
-                f"`device_mesh=({world_size // shard_size}, {shard_size})` or `hybrid_shard_size={shard_size}` alone "
-                "(the replicas follow from the world size)."
+                f"{ranks}, but the job has {data_parallel} (num_nodes x devices / tensor_parallel_size); pass "
+                f"`device_mesh=({data_parallel // shard_size}, {shard_size})` or `hybrid_shard_size={shard_size}` "
+                "alone (the replicas follow from the world size)."
             )
-        if world_size % shard_size:
+        if data_parallel % shard_size:
             raise ValueError(
-                f"`hybrid_shard_size={shard_size}` does not divide the world size {world_size}; choose a divisor of "
-                f"{world_size} (by default it is the devices per node)."
+                f"`hybrid_shard_size={shard_size}` does not divide the {world} {data_parallel}; choose a divisor of "
+                f"{data_parallel} (by default it is the devices per node / tensor_parallel_size)."
             )
-        return (world_size // shard_size, shard_size)
+        return (data_parallel // shard_size, shard_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The ranks that see different data: the world divided by ``tensor_parallel_size``.
+
+        Example:
+            >>> ShardingConfig(tensor_parallel_size=2).data_parallel_size(8)
+            4
+        """
+        if world_size % self.tensor_parallel_size:
+            raise ValueError(
+                f"`tensor_parallel_size={self.tensor_parallel_size}` does not divide the world size {world_size} "
+                "(num_nodes x devices); choose a divisor, usually the devices of one node or fewer."
+            )
+        return world_size // self.tensor_parallel_size
+
+    def mesh_dim_names(self, data_parallel_dims: int) -> tuple[str, ...]:
+        """Names of the strategy's mesh dimensions: ``"shard"`` (and ``"replicate"`` before it on a 2-D
+        data-parallel mesh), then ``"tensor_parallel"`` when ``tensor_parallel_size > 1``.
+
+        Example:
+            >>> ShardingConfig(sharding_strategy="HYBRID_SHARD", tensor_parallel_size=2).mesh_dim_names(2)
+            ('replicate', 'shard', 'tensor_parallel')
+        """
+        names = ("replicate", "shard")[-data_parallel_dims:]
+        return (*names, TENSOR_PARALLEL_DIM) if self.tensor_parallel_size > 1 else names
 
 
 def _check_compile(value: object) -> None:

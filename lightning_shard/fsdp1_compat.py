@@ -39,8 +39,8 @@ _REFUSED = {
     "device_id": "the strategy places each rank on its device; drop it",
     "process_group": "the strategy builds the process group and the device mesh; for hybrid sharding pass "
     "`sharding_strategy='HYBRID_SHARD', hybrid_shard_size=N`",
-    "data_parallel_size": "ShardedStrategy shards over all ranks (`hybrid_shard_size` for a 2-D mesh); drop it",
-    "tensor_parallel_size": "tensor parallelism is not supported; ShardedStrategy is data parallel (FSDP2)",
+    "data_parallel_size": "the data-parallel size is the world size divided by `tensor_parallel_size` (FSDP shards "
+    "over it; `hybrid_shard_size` for a 2-D data-parallel mesh); drop it",
 }
 _RENAMED = ("activation_checkpointing_policy", "save_distributed_checkpoint", "device_mesh")
 

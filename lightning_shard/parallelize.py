@@ -1,9 +1,10 @@
-"""``parallelize_module``: one function that reads top to bottom - which modules are checkpointed, which become
-FSDP units, with which policies - in the manner of torchtitan's ``parallelize`` functions."""
+"""``parallelize_module``: one function that reads top to bottom - which layers are split over the tensor-parallel
+ranks, which modules are checkpointed, which become FSDP units, with which policies - in the manner of torchtitan's
+``parallelize`` functions (tensor parallelism, activation checkpointing, compile, then ``fully_shard``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -11,29 +12,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import DTensor
 
-from lightning_shard.config import ShardingConfig
+from lightning_shard.activation_checkpointing import SELECTIVE, selective_context_fn
+from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
 from lightning_shard.replicated import replicate_unshardable_parameters, unshardable_parameters
+from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
 from lightning_shard.torch_compat import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    set_activation_memory_budget,
+    visible_name,
 )
 from lightning_shard.wrap import plan_units
 
@@ -48,12 +54,15 @@ def parallelize_module(
     device: torch.device,
     forward_methods: Sequence[str] = (),
 ) -> list[nn.Module]:
-    """Checkpoint, shard and materialise ``model`` in place; return the FSDP units below the root.
+    """Split (tensor parallelism), checkpoint, shard and materialise ``model`` in place; return the FSDP units below
+    the root.
 
     Args:
         model: the model, built eagerly or on the meta device.
-        mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh.
-        config: the wrap and checkpointing policies, ``reshard_after_forward`` and the CPU collectives.
+        mesh: 1-D (shard) or 2-D (replicate, shard) data-parallel mesh, with a last ``"tensor_parallel"`` dimension
+            when ``config.tensor_parallel_size > 1``.
+        config: the tensor-parallel plan, the wrap and checkpointing policies, ``reshard_after_forward`` and the CPU
+            collectives.
         mp_policy, offload_policy: handed to every ``fully_shard`` call.
         device: where the model computes.
         forward_methods: methods of the root besides ``forward`` that run the model (Lightning's step methods).
@@ -66,13 +75,23 @@ def parallelize_module(
         ...                    device=torch.device("cpu"))  # doctest: +SKIP
     """
     meta = has_meta_tensors(model)
+    if sharded_by_hand(model):
+        return _keep_sharding_by_hand(model, device, offload_policy, forward_methods, meta)
     # What was built for real exists on every rank (the whole model, or a head beside a body built on the meta device);
     # make the replicas identical before each keeps its shard, as DDP does when it wraps a model.
     _broadcast_from_rank_zero(model, device)
+    names = mesh.mesh_dim_names or ()
+    if TENSOR_PARALLEL_DIM in names:
+        apply_tensor_parallel_plan(model, mesh[TENSOR_PARALLEL_DIM], config.tensor_parallel_plan)
+        mesh = mesh[tuple(name for name in names if name != TENSOR_PARALLEL_DIM)]  # FSDP's: the data-parallel dims
     units = _planned_units(model, config.auto_wrap_policy, "auto_wrap_policy")
-    checkpointed = _planned_units(model, config.activation_checkpointing, "activation_checkpointing")
-    wrappers = _apply_activation_checkpointing(model, checkpointed)
+    checkpointed = _planned_units(model, config.checkpointed_blocks, "activation_checkpointing")
+    selective = config.activation_checkpointing == SELECTIVE
+    context_fn = selective_context_fn(config.selective_checkpointing_ops) if selective else None
+    wrappers = _apply_activation_checkpointing(model, checkpointed, context_fn)
     if config.compile_kwargs is not None:
+        if config.activation_memory_budget is not None:
+            set_activation_memory_budget(config.activation_memory_budget)
         _compile_units([wrappers.get(id(unit), unit) for unit in units], config.compile_kwargs)
 
     replicated = unshardable_parameters(model)
@@ -108,11 +127,9 @@ def parallelize_module(
     gather_root_for_direct_calls(model)
 
     if meta:
-        parameter_device, buffer_device = materialization_devices(
-            device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
-        )
-        materialize_sharded_module(model, parameter_device, buffer_device)
+        _materialize(model, device, offload_policy)
     replicate_unshardable_parameters(model, [param for _, param in replicated], mesh, device)
+    setattr(model, _PARALLELIZED, True)
     return units
 
 
@@ -129,6 +146,81 @@ def _planned_units(model: nn.Module, policy: Any, argument: str) -> list[nn.Modu
             + "; ".join(f"`{name}` ({reason})" for name, reason in plan.left_out.items())
         )
     return plan.modules
+
+
+def is_parallelized(model: nn.Module) -> bool:
+    """Whether :func:`parallelize_module` has set ``model`` up already (a second ``fit`` of the same module).
+
+    Example:
+        >>> is_parallelized(nn.Linear(2, 2))
+        False
+    """
+    return getattr(model, _PARALLELIZED, False)
+
+
+def sharded_by_hand(model: nn.Module) -> bool:
+    """Whether ``model`` came sharded from the user's own code (``configure_model()`` calling ``fully_shard`` /
+    ``parallelize_module``, as under Lightning's ``ModelParallelStrategy``) with every parameter under a
+    ``fully_shard``: then the strategy keeps that sharding rather than sharding it twice.
+
+    Raises:
+        ValueError: the model was sharded by hand in part only (parameters left outside ``fully_shard``), with the
+            two ways out.
+
+    Example:
+        >>> sharded_by_hand(nn.Linear(2, 2))
+        False
+    """
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    split = any(isinstance(param, DTensor) for param in model.parameters())
+    if not units and not split:
+        return False
+    covered = {id(param) for unit in units for param in unit.parameters()}
+    left = [visible_name(name) for name, param in model.named_parameters() if id(param) not in covered]
+    if left:
+        done = "`fully_shard`" if units else "`parallelize_module` (tensor parallelism) but not `fully_shard`"
+        raise ValueError(
+            f"`configure_model()` applied {done} to part of {type(model).__name__} by hand, leaving {left[:4]} "
+            f"({len(left)} parameters in all) outside `fully_shard`; the strategy would shard the model a second "
+            "time. Either leave the sharding to the strategy - drop those calls and pass `tensor_parallel_size=...` "
+            "and your plan as `tensor_parallel_plan` (a dict or `parallelize_fn(model, tp_mesh)`); FSDP follows "
+            "`auto_wrap_policy` - or shard all of it by hand, the outermost module included (`fully_shard(self.model)`)"
+            ", as under Lightning's ModelParallelStrategy, and the strategy keeps that."
+        )
+    return True
+
+
+def _keep_sharding_by_hand(
+    model: nn.Module,
+    device: torch.device,
+    offload_policy: OffloadPolicy,
+    forward_methods: Sequence[str],
+    meta: bool,
+) -> list[nn.Module]:
+    rank_zero_info(
+        f"`configure_model()` sharded {type(model).__name__} itself (`fully_shard` / `parallelize_module`): the "
+        "strategy keeps that sharding and does not apply its own tensor-parallel plan, wrap policy, activation "
+        "checkpointing or compile."
+    )
+    if isinstance(model, FSDPModule):
+        for name in forward_methods:
+            register_fsdp_forward_method(model, name)
+        gather_root_for_direct_calls(model)
+    if meta:  # built under the strategy's meta-device context: the initialisation rule, as for its own sharding
+        _materialize(model, device, offload_policy)
+    setattr(model, _PARALLELIZED, True)
+    return [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+
+
+def _materialize(model: nn.Module, device: torch.device, offload_policy: OffloadPolicy) -> None:
+    parameter_device, buffer_device = materialization_devices(
+        device, cpu_offload=isinstance(offload_policy, CPUOffloadPolicy)
+    )
+    materialize_sharded_module(model, parameter_device, buffer_device)
+
+
+# Set on a model :func:`parallelize_module` has set up.
+_PARALLELIZED = "_lightning_shard_parallelized"
 
 
 def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> None:
@@ -150,8 +242,12 @@ def _compile_units(units: list[nn.Module], compile_kwargs: dict[str, Any]) -> No
             unit.compile(**compile_kwargs)
 
 
-def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) -> dict[int, nn.Module]:
+def _apply_activation_checkpointing(
+    model: nn.Module, modules: list[nn.Module], context_fn: Callable[[], Any] | None
+) -> dict[int, nn.Module]:
     """Wrap ``modules`` in torch's non-reentrant ``checkpoint_wrapper``; map each module's id to its wrapper.
+    ``context_fn``: selective checkpointing's per-op policy (:mod:`lightning_shard.activation_checkpointing`); without
+    it the whole module is recomputed.
 
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; state dicts taken through
     torch.distributed.checkpoint and ``Module.state_dict()`` drop it again, so checkpoints keep the plain names.
@@ -159,9 +255,10 @@ def _apply_activation_checkpointing(model: nn.Module, modules: list[nn.Module]) 
     if not modules:
         return {}
     selected = {id(m) for m in modules}
+    selective = {"context_fn": context_fn} if context_fn is not None else {}
     apply_activation_checkpointing(
         model,
-        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **selective),
         check_fn=lambda module: id(module) in selected,
     )
     return {

@@ -207,32 +207,36 @@ def clip_grad_norm(
 ) -> Tensor:
     """Clip gradients to a global norm computed over all shards; returns the total norm (a plain tensor).
 
-    ``torch.nn.utils.get_total_norm`` of DTensor gradients is the norm of the full gradients (the per-shard norms
-    reduce across ranks). The gradients of replicated parameters (:mod:`lightning_shard.replicated`) are plain
-    tensors, whole and equal on every rank: their norm is taken locally, so each counts once, and combined with the
-    sharded one.
+    torch's norm functions take DTensor gradients of one mesh and reduce the per-shard norms to the norm of the full
+    gradient. Under tensor parallelism the gradients live on two meshes - the (data-parallel x tensor-parallel) mesh
+    of the split layers and the data-parallel mesh of the rest - and the gradients of replicated parameters
+    (:mod:`lightning_shard.replicated`) are plain tensors, whole and equal on every rank. So the norm is taken per
+    mesh (the plain ones locally), each reduced over its mesh, and those norms are combined (the norm of the norms):
+    every element counted once, over both dimensions.
 
     Example:
         >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
         >>> float(clip_grad_norm([p], 1.0))
         6.0
     """
-    with_grads = [p for p in parameters if p.grad is not None]
-    groups = [
-        [p for p in with_grads if isinstance(p.grad, DTensor)],
-        [p for p in with_grads if not isinstance(p.grad, DTensor)],
+    by_mesh: dict[Any, list[Tensor]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    norms = [
+        _full(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite=error_if_nonfinite))
+        for group in by_mesh.values()
     ]
-    norms = []
-    for group in groups:
-        if group:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, error_if_nonfinite)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)
-    total_norm = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type)
-    for group in groups:  # one foreach call may not mix DTensors and plain tensors
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    for group in by_mesh.values():  # torch's foreach ops take the tensors of one mesh at a time
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
     return total_norm
+
+
+def _full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:

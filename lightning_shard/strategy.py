@@ -12,7 +12,7 @@ Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ...) their shard
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,7 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -51,10 +51,12 @@ from lightning_shard.hf.frozen_weights import (
 )
 from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
+from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.preemption import add_strategy_preemption
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
+from lightning_shard.tensor_parallel import TensorParallelPlan
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -73,7 +75,14 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             minimum parameter count, a callable ``module -> bool``, ``None`` (the root only) or ``"auto"``
             (a Hugging Face model's ``_no_split_modules``, else the block class repeated in ``ModuleList`` /
             ``Sequential`` containers).
-        activation_checkpointing: which submodules recompute their activations in backward, in the same forms.
+        activation_checkpointing: which submodules recompute their activations in backward, in the same forms (the
+            whole module recomputed, its input kept), or ``"selective"``: the ``"auto"`` blocks with torchtitan's
+            per-op policy (the outputs of matmuls and attention kept, but every second matmul's; the rest recomputed).
+        selective_checkpointing_ops: the ops whose outputs ``"selective"`` keeps (aten op overload names, e.g.
+            ``["aten.mm.default", "aten._scaled_dot_product_flash_attention.default"]``); default: torchtitan's list.
+        activation_memory_budget: with ``compile=True`` instead of ``activation_checkpointing``: the fraction of
+            activations torch.compile's partitioner keeps (0 to 1), recomputing the cheapest of the rest
+            (``torch._functorch.config.activation_memory_budget``, process-wide).
         reshard_after_forward: override the strategy's choice for every unit (bool, or an int shard size).
         forward_prefetch: issue each unit's forward all-gather while the unit before it computes (FSDP1's
             ``forward_prefetch``; FSDP2 prefetches in backward already). Costs one more unit's gathered parameters.
@@ -108,6 +117,14 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             allows.
         compile: ``torch.compile`` each FSDP unit (transformer block) before sharding, as torchtitan does: ``True``
             (torch.compile's defaults) or a dict of its arguments (``{"mode": "max-autotune", "fullgraph": True}``).
+        tensor_parallel_size: ranks that split each layer's matmuls between them (tensor parallelism; 1: none). The
+            mesh becomes ``(data-parallel dims..., tensor_parallel)``, the tensor-parallel groups consecutive ranks
+            (inside a node); FSDP shards over the data-parallel dimensions, and every rank of a tensor-parallel group
+            gets the same batches. The module sees the mesh as ``self.device_mesh``.
+        tensor_parallel_plan: which layers are split and how: ``"auto"`` (the model's own plan: a transformers
+            model's ``base_model_tp_plan``, litgpt's ``GPT``, a ``tensor_parallel_plan`` the model declares), a dict
+            of module-name patterns to styles (``{"layers.*.attn.q_proj": "colwise", ...}``), or a callable
+            ``parallelize_fn(model, tp_mesh)``. See :mod:`lightning_shard.tensor_parallel.plan`.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device (``"cuda:nccl,cpu:gloo"`` with CPU
             offload on GPUs: the offloaded gradients are reduced on the CPU when clipping).
         timeout: process-group timeout.
@@ -146,6 +163,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         cpu_collectives: CpuCollectives = "gloo",
         compile: bool | Mapping[str, Any] = False,
         gradient_accumulation: GradientAccumulation = "sharded",
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = "auto",
+        selective_checkpointing_ops: Sequence[str] | None = None,
+        activation_memory_budget: float | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -247,7 +268,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self.accelerator.setup(trainer)
         _evaluate_without_inference_mode(trainer)
         link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io)
-        if not isinstance(self.model, FSDPModule):
+        if not is_parallelized(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
             self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh

@@ -37,8 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 
+from lightning_shard.activation_checkpointing import SELECTIVE
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.config import ShardingConfig
+from lightning_shard.config import DATA_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import collective_device, process_group_backend_for
 from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
@@ -46,6 +47,7 @@ from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
+from lightning_shard.torch_compat import flatten_mesh_dims
 
 TBroadcast = TypeVar("TBroadcast")
 TPrecision = TypeVar("TPrecision", bound=PrecisionPolicy)
@@ -122,11 +124,16 @@ class ShardedStrategyCore:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # The ranks of one tensor-parallel group compute on the same batch: the sampler spans the data-parallel ranks
+        # (the tensor-parallel dimension is the mesh's last, so a group is `tensor_parallel_size` consecutive ranks).
+        size = self.config.tensor_parallel_size
+        return {"num_replicas": self.num_nodes * self.num_processes // size, "rank": self.global_rank // size}
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The data-parallel mesh: 1-D ``("shard",)``, or 2-D ``("replicate", "shard")`` for hybrid / no sharding."""
+        """The mesh: data-parallel ``("shard",)``, or ``("replicate", "shard")`` for hybrid / no sharding; with
+        ``tensor_parallel_size > 1`` a last ``"tensor_parallel"`` dimension, and ``"data_parallel"`` naming the
+        data-parallel dimensions together (the names of Lightning's ``ModelParallelStrategy``)."""
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists once `setup_environment()` has initialised the process group.")
         return self._device_mesh
@@ -192,17 +199,24 @@ class ShardedStrategyCore:
         self._device_mesh = self._build_device_mesh()
 
     def _build_device_mesh(self) -> DeviceMesh:
-        shape = self.config.mesh_shape(self.world_size, self.num_processes)
-        shard_size, per_node = shape[-1], self.num_processes
-        if self.config.sharding_strategy == "HYBRID_SHARD" and shard_size % per_node and per_node % shard_size:
+        data_parallel = self.config.mesh_shape(self.world_size, self.num_processes)
+        size, per_node = self.config.tensor_parallel_size, self.num_processes
+        if size > 1 and per_node % size:
             rank_zero_warn(
-                f"`hybrid_shard_size={shard_size}` with {per_node} devices per node makes shard groups that straddle "
-                "nodes unevenly; pick a divisor or a multiple of the devices per node."
+                f"`tensor_parallel_size={size}` with {per_node} devices per node puts tensor-parallel groups across "
+                "nodes, whose links are much slower than a node's own; choose a divisor of the devices per node."
             )
-        device_type = self.root_device.type
-        if len(shape) == 1:
-            return init_device_mesh(device_type, shape, mesh_dim_names=("shard",))
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        group = data_parallel[-1] * size  # consecutive ranks that one shard group spans
+        if self.config.sharding_strategy == "HYBRID_SHARD" and group % per_node and per_node % group:
+            rank_zero_warn(
+                f"`hybrid_shard_size={data_parallel[-1]}` with {per_node} devices per node makes shard groups that "
+                "straddle nodes unevenly; pick a divisor or a multiple of the devices per node."
+            )
+        names = self.config.mesh_dim_names(len(data_parallel))
+        mesh = init_device_mesh(self.root_device.type, (*data_parallel, size)[: len(names)], mesh_dim_names=names)
+        if size > 1:
+            flatten_mesh_dims(mesh, names[:-1], DATA_PARALLEL_DIM)
+        return mesh
 
     # ------------------------------------------------------------------ model
 
@@ -226,16 +240,19 @@ class ShardedStrategyCore:
         )
 
     def _choose_sharding(self, module: nn.Module, precision: PrecisionPolicy, accumulate_grad_batches: int) -> None:
+        checkpointed = self.config.activation_checkpointing
         choice = choose_sharding(
             module,
             world_size=self.world_size,
             precision=precision.precision,
-            activation_checkpointing=self.config.activation_checkpointing is not None,
+            activation_checkpointing=checkpointed if checkpointed == SELECTIVE else checkpointed is not None,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_accumulation=self.config.gradient_accumulation,
             device_memory_bytes=device_memory_bytes(self.root_device, self.num_processes),
             can_offload=self.root_device.type == "cuda",
             weight_averaging=self._weight_averaging,  # type: ignore[arg-type]
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            tensor_parallel_plan=self.config.tensor_parallel_plan,
         )
         # Rank 0 decides for all: nodes may report different memory.
         choice = self.broadcast(choice)
@@ -243,7 +260,7 @@ class ShardedStrategyCore:
             f"{type(self).__name__}: sharding_strategy='auto' chose {choice.sharding_strategy}: {choice.reason}"
         )
         self.config = replace(self.config, sharding_strategy=choice.sharding_strategy, cpu_offload=choice.cpu_offload)
-        if tuple(self.device_mesh.shape) != self.config.mesh_shape(self.world_size, self.num_processes):
+        if self.device_mesh["shard"].size() != self.config.mesh_shape(self.world_size, self.num_processes)[-1]:
             self._device_mesh = self._build_device_mesh()
 
     def _offload_policy(self) -> OffloadPolicy:
@@ -270,7 +287,7 @@ class ShardedStrategyCore:
             set_gradient_sync(module, True)
 
     def _check_optimizers_are_elementwise(self, optimizers: list[Optimizer]) -> None:
-        if self.device_mesh["shard"].size() == 1:
+        if self.device_mesh["shard"].size() == 1 and self.config.tensor_parallel_size == 1:
             return  # whole parameters on every rank: any optimizer computes the same update
         for optimizer in optimizers:
             name = type(optimizer).__name__
@@ -279,7 +296,8 @@ class ShardedStrategyCore:
                     f"The optimizer {name} computes each update from whole-parameter statistics, but under the "
                     "sharded strategy every rank holds only a shard of each parameter, so its updates would be wrong. "
                     "Use an elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...), or "
-                    "`sharding_strategy='NO_SHARD'`, where every rank holds whole parameters."
+                    "`sharding_strategy='NO_SHARD'` without tensor parallelism, where every rank holds whole "
+                    "parameters."
                 )
 
     def _after_optimizer_step(self, *models: nn.Module | None) -> None:

@@ -343,3 +343,28 @@ def memory_simulation_tools() -> dict[str, Any]:
         "UNSHARDED_GRAD": _FSDPRefType.UNSHARDED_GRAD,
         "tag": tag,
     }
+
+
+def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
+    """Make ``mesh[name]`` the 1-D mesh over the dimensions ``dims`` together (``DeviceMesh._flatten``; torch has no
+    public name for it): the strategy's ``"data_parallel"``, as Lightning's ``ModelParallelStrategy`` names it.
+
+    Example:
+        >>> flatten_mesh_dims(mesh, ("replicate", "shard"), "data_parallel")  # doctest: +SKIP
+        >>> mesh["data_parallel"].size()  # doctest: +SKIP
+        4
+    """
+    mesh[dims]._flatten(name)
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """``torch._functorch.config.activation_memory_budget``: the fraction of activations torch.compile's min-cut
+    partitioner keeps for backward (1.0, its default: all it can; less: it recomputes the cheapest to recompute).
+    Process-wide, read when a graph compiles.
+
+    Example:
+        >>> set_activation_memory_budget(0.5)  # doctest: +SKIP
+    """
+    import torch._functorch.config
+
+    torch._functorch.config.activation_memory_budget = budget

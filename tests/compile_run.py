@@ -37,12 +37,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "compiled": {"compile": FULLGRAPH},
     "eager_checkpointing": {"activation_checkpointing": ["Block"]},
     "compiled_checkpointing": {"activation_checkpointing": ["Block"], "compile": FULLGRAPH},
+    "compiled_selective": {"activation_checkpointing": "selective", "compile": FULLGRAPH},
+    # last: the budget is process-wide (torch._functorch.config), read by every later compilation
+    "compiled_memory_budget": {"activation_memory_budget": 0.5, "compile": FULLGRAPH},
 }
 
 
 def run(name: str, devices: int) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
+    # Each scenario compiles its own graphs: a block compiled by an earlier scenario (the same code) would otherwise
+    # be reused from dynamo's cache, with the settings it was compiled under (the memory budget is read at compile).
+    torch._dynamo.reset()
     counters.clear()
     L.seed_everything(0, verbose=False)
     model = GPT(**TINY, max_steps=STEPS)

@@ -246,7 +246,7 @@ def run(name: str, devices: int, reference: bool, checkpoints: Path, out: Path) 
     else:
         model = CausalLM(name, pretrained)
         strategy = "auto" if reference else lightning_shard.ShardedStrategy(**strategy_arguments(name))
-    read = _count_elements_read() if name == "pretrained" else None
+    read = count_elements_read() if name == "pretrained" else None
     converted = _record_converted_reads() if name == "mixtral" else None
     trainer, losses, states = fit(model, devices, strategy, MAX_STEPS, precision)
     result: dict[str, Any] = {
@@ -265,10 +265,10 @@ def run(name: str, devices: int, reference: bool, checkpoints: Path, out: Path) 
     else:
         result.update(_call_after_fit(name, model.model))
     if read is not None:
-        result["elements_read"] = _per_rank(read["elements"])
+        result["elements_read"] = per_rank(read["elements"])
         result["resumed"] = _resume(trainer, devices, reference, pretrained, out)
     if converted is not None:
-        result["converted_reads"] = _per_rank(converted)
+        result["converted_reads"] = per_rank(converted)
     if trainer.is_global_zero:
         torch.save(result, out / f"{name}.pt")
 
@@ -300,7 +300,7 @@ def _unit_classes(root: nn.Module) -> list[str]:
     return sorted({type(getattr(m, "_checkpoint_wrapped_module", m)).__name__.removeprefix("FSDP") for m in units})
 
 
-def _count_elements_read() -> dict[str, int]:
+def count_elements_read() -> dict[str, int]:
     """Count the tensor elements this rank reads from the safetensors files."""
     read = {"elements": 0}
     reader = slice_reader_class(HuggingFaceStorageReader)
@@ -329,7 +329,7 @@ def _record_converted_reads() -> list[str]:
     return names
 
 
-def _per_rank(value: Any) -> list[Any]:
+def per_rank(value: Any) -> list[Any]:
     if not dist.is_initialized():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()

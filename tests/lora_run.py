@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_run import _per_rank, gpt2_config, llama_config, token_loader  # noqa: E402
+from hf_run import gpt2_config, llama_config, per_rank, token_loader  # noqa: E402
 from toy import QUIET, GlobalLossRecorder, StateRecorder  # noqa: E402
 
 import lightning_shard  # noqa: E402
@@ -172,7 +172,7 @@ def run(family: str, source: str, build: str, devices: int, reference: bool, che
         "losses": losses.losses,
         "start": states.states["start"]["weights"],
         "end": states.states["end"]["weights"],
-        "costs": _per_rank(costs.costs),
+        "costs": per_rank(costs.costs),
     }
     if family == "gpt2":
         inner = module.model.base_model.model

@@ -54,6 +54,7 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "accumulate_unsharded": ({"gradient_accumulation": "unsharded"}, {"accumulate_grad_batches": ACCUMULATE}, {}),
     "meta_init": ({}, {}, {"build": "configure"}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
+    "selective_checkpointing": ({"activation_checkpointing": "selective"}, {}, {}),
     "forward_prefetch": ({"forward_prefetch": True}, {}, {}),
     # the opt-in CPU transport through the strategy (its own tests compare it with FSDP2's collectives byte by byte)
     "shared_memory": ({"cpu_collectives": "shared_memory"}, {}, {}),

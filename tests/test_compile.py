@@ -37,6 +37,15 @@ def test_compiled_blocks_train_to_the_eager_losses(results: dict[str, Any], chec
     assert (eager["compiled_blocks"], eager["graphs"]) == (0, 0)
 
 
+@pytest.mark.parametrize("scenario", ["compiled_selective", "compiled_memory_budget"])
+def test_selective_and_memory_budget_checkpointing_under_compile(results: dict[str, Any], scenario: str) -> None:
+    # per-op selective checkpointing traced into the blocks' graph, and the partitioner's memory budget instead of
+    # checkpoint wrappers: the eager losses, one graph for both blocks, no break
+    run = results[scenario]
+    assert run["losses"] == pytest.approx(results["eager"]["losses"], abs=TOL)
+    assert (run["compiled_blocks"], run["graphs"], run["graph_breaks"]) == (2, 1, 0)
+
+
 def test_compile_setting_forms() -> None:
     assert ShardingConfig().compile_kwargs is None
     assert ShardingConfig(compile=True).compile_kwargs == {}

@@ -74,7 +74,7 @@ def test_lambda_policy_is_translated_to_its_function() -> None:
         ({"limit_all_gathers": True}, ValueError, "drop it"),
         ({"sync_module_states": True}, ValueError, "broadcast from rank 0"),
         ({"param_init_fn": lambda m: None}, ValueError, "reset_parameters"),
-        ({"tensor_parallel_size": 2}, ValueError, "tensor parallelism is not supported"),
+        ({"data_parallel_size": 2}, ValueError, "world size divided by `tensor_parallel_size`"),
         (
             {"auto_wrap_policy": functools.partial(size_based_auto_wrap_policy, min_num_params=1000)},
             ValueError,

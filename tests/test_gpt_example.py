@@ -40,6 +40,7 @@ EXPECTED_PARAMETERS = {
     "gpt3_6.7b": 6_658_465_792,
     "gpt3_13b": 12_853_463_040,
     "gpt3_13b_1gpu_offload": 12_853_463_040,
+    "gpt3_13b_tp8": 12_853_463_040,
 }
 # fairseq's log for its 13B dense model. It counts the output projection as its own (vocab x width) matrix and
 # has 2050 positions (2048 plus fairseq's padding offset of 2); our model ties the projection to the embedding.

@@ -84,6 +84,7 @@ def test_cpu_smoke_passes_every_part_1_check(smoke: dict) -> None:
         "tiny GPT fit, 16-mixed (grad scaler)",
         "tiny GPT fit, fully_sharded_offload",
         "full save and load",
+        "tiny GPT, fp32 on 2 devices: FSDP alone vs tensor parallel 1 x 2",
     ]
 
 
@@ -94,11 +95,15 @@ def test_cpu_smoke_resumes_and_reloads_to_equal_losses(smoke: dict) -> None:
     assert resume["resumed"] == rows["tiny GPT fit, bf16-mixed"]["losses"][2:]
     assert rows["full save and load"]["val_loss_difference"] <= 1e-5
     assert rows["tiny GPT fit, 16-mixed (grad scaler)"]["loss_scale"] > 0
+    tensor_parallel = rows["tiny GPT, fp32 on 2 devices: FSDP alone vs tensor parallel 1 x 2"]
+    assert tensor_parallel["max_loss_difference"] <= 1e-5
+    # each rank holds half of the split layers (1 x 2) as it holds half of every parameter under FSDP on 2 ranks
+    assert tensor_parallel["parameter_bytes_tensor_parallel"] >= tensor_parallel["parameter_bytes_fsdp"]
 
 
 def test_cpu_smoke_writes_one_report_table(smoke: dict) -> None:
     report = smoke["report"]
     assert {"title", "question", "columns", "rows", "notes"} <= set(report)
-    assert len(report["rows"]) == 5 and {len(row) for row in report["rows"]} == {len(report["columns"])}
+    assert len(report["rows"]) == 6 and {len(row) for row in report["rows"]} == {len(report["columns"])}
     assert smoke["command"].startswith("python benchmarks/gpu_check.py --cpu-smoke")
     assert smoke["machine"]["git_commit"]

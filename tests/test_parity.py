@@ -24,6 +24,7 @@ FP32 = [
     "accumulate_unsharded",
     "meta_init",
     "checkpointing",
+    "selective_checkpointing",
     "forward_prefetch",
     "shared_memory",
     "sgd",

@@ -262,3 +262,22 @@ def test_holds_values_is_false_for_fake_tensors_only() -> None:
     assert torch_compat.holds_values(torch.zeros(2))
     with torch_compat.memory_simulation_tools()["FakeTensorMode"]():
         assert not torch_compat.holds_values(torch.zeros(2))
+
+
+def test_flatten_mesh_dims_names_the_dimensions_together(mesh) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+    torch_compat.flatten_mesh_dims(grid, ("replicate", "shard"), "data_parallel")
+    assert grid["data_parallel"].size() == 1 and grid["data_parallel"].mesh_dim_names == ("data_parallel",)
+
+
+def test_set_activation_memory_budget_sets_the_partitioners_budget() -> None:
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    try:
+        torch_compat.set_activation_memory_budget(0.25)
+        assert functorch_config.activation_memory_budget == 0.25
+    finally:
+        functorch_config.activation_memory_budget = before

@@ -441,3 +441,36 @@ def test_the_estimate_counts_replicated_parameters_whole_on_every_rank() -> None
     assert estimate.device.optimizer_states == 2 * 4 * (sharded + 10)
     offloaded = estimate_memory(model, world_size=2, cpu_offload=True)
     assert (offloaded.device.params, offloaded.cpu.params) == (4 * 10, 4 * sharded)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"selective_checkpointing_ops": ["aten.mm.default"]}, ValueError, "needs `activation_checkpointing='select"),
+        (
+            {"activation_checkpointing": "selective", "selective_checkpointing_ops": ["aten.matmult.default"]},
+            ValueError,
+            "'aten.matmult.default', which is not an op overload",
+        ),
+        ({"activation_memory_budget": 0.5}, ValueError, "needs `compile=True`"),
+        ({"activation_memory_budget": 1.5, "compile": True}, ValueError, "a number between 0 and 1"),
+        (
+            {"activation_memory_budget": 0.5, "compile": True, "activation_checkpointing": ["Block"]},
+            ValueError,
+            "replaces `activation_checkpointing=\\['Block'\\]`",
+        ),
+    ],
+)
+def test_checkpointing_forms_are_checked_at_construction(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        ShardedStrategy(**kwargs)
+
+
+def test_selective_checkpointing_wraps_the_auto_blocks_with_the_per_op_policy(mesh) -> None:
+    model = ToyModel()
+    config = ShardingConfig(activation_checkpointing="selective", selective_checkpointing_ops=["aten.addmm.default"])
+    parallelize_module(model, mesh, config, mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
+                       device=torch.device("cpu"))  # fmt: skip
+    wrappers = [module for module in model.modules() if isinstance(module, CheckpointWrapper)]
+    assert [type(w._checkpoint_wrapped_module).__name__ for w in wrappers] == ["Block"] * 3
+    assert all("context_fn" in w.checkpoint_fn.keywords for w in wrappers)

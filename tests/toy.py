@@ -112,30 +112,33 @@ def dataset() -> TensorDataset:
 
 class RankSliceBatchSampler(Sampler[list[int]]):
     """Rank r of W gets samples [s*B + r*B/W, s*B + (r+1)*B/W) at step s: its slice of the one-process batch.
-    ``drop``: a global batch index left out.
+    ``drop``: a global batch index left out. Under tensor parallelism (``tensor_parallel_size`` consecutive ranks
+    computing on the same batch) r and W count data-parallel ranks: ``rank // tensor_parallel_size``.
 
     The rank is read when iteration starts, not when the loader is built: scripts build their loaders before
     ``Trainer.fit`` has initialised the process group.
     """
 
-    def __init__(self, global_batch: int, drop: int | None = None) -> None:
+    def __init__(self, global_batch: int, drop: int | None = None, tensor_parallel_size: int = 1) -> None:
         self.global_batch = global_batch
         self.drop = drop
+        self.tensor_parallel_size = tensor_parallel_size
 
     def __len__(self) -> int:
         return N_SAMPLES // self.global_batch - (self.drop is not None)
 
     def __iter__(self) -> Iterator[list[int]]:
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rank, world = rank // self.tensor_parallel_size, max(world // self.tensor_parallel_size, 1)
         per_rank = self.global_batch // world
         for index, start in enumerate(range(0, N_SAMPLES, self.global_batch)):
             if index != self.drop:
                 yield list(range(start + rank * per_rank, start + (rank + 1) * per_rank))
 
 
-def rank_slice_loader(global_batch: int, drop: int | None = None) -> DataLoader:
+def rank_slice_loader(global_batch: int, drop: int | None = None, tensor_parallel_size: int = 1) -> DataLoader:
     """Each rank's slice of every global batch but ``drop`` (see :class:`RankSliceBatchSampler`)."""
-    return DataLoader(dataset(), batch_sampler=RankSliceBatchSampler(global_batch, drop))
+    return DataLoader(dataset(), batch_sampler=RankSliceBatchSampler(global_batch, drop, tensor_parallel_size))
 
 
 class GlobalLossRecorder(L.Callback):

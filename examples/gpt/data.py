@@ -323,7 +323,7 @@ class TokenDataModule(LightningDataModule):
     def train_dataloader(self) -> ResumableDataLoader:
         hp = self.hparams
         dataset = RandomWindowDataset(self.train_tokens, hp.block_size, hp.samples_per_epoch, seed=hp.seed)
-        self._train_sampler = ResumableSampler(len(dataset), shuffle=hp.shuffle, seed=hp.seed)
+        self._train_sampler = ResumableSampler(len(dataset), shuffle=hp.shuffle, seed=hp.seed, **self._data_ranks())
         return ResumableDataLoader(
             dataset, batch_size=hp.batch_size, sampler=self._train_sampler, num_workers=hp.num_workers
         )
@@ -331,8 +331,14 @@ class TokenDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         hp = self.hparams
         dataset = RandomWindowDataset(self.val_tokens, hp.block_size, hp.val_samples, seed=hp.seed)
-        sampler = ResumableSampler(len(dataset), shuffle=False)
+        sampler = ResumableSampler(len(dataset), shuffle=False, **self._data_ranks())
         return DataLoader(dataset, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers)
+
+    def _data_ranks(self) -> dict[str, int]:
+        """This rank's place among the ranks that read different data: the strategy's data-parallel ranks (under
+        tensor parallelism the ranks of one tensor-parallel group read the same batches), else every rank."""
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return {"rank": kwargs["rank"], "world_size": kwargs["num_replicas"]} if kwargs else {}
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Lightning calls this once per batch the training step really receives, after the loader's read-ahead,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from examples.causal_lm import CausalLM
 
@@ -55,27 +56,30 @@ class Embedding(nn.Embedding):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused qkv projection."""
+    """Multi-head causal self-attention with one fused qkv projection.
+
+    The projection's output features are grouped by head - head 0's query, key and value, then head 1's, ... (Megatron's
+    layout) - and the forward counts heads from the features it gets (``-1``), so under tensor parallelism the
+    projection splits column-wise into whole heads per rank and the same code computes this rank's heads.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, proj_std: float) -> None:
         super().__init__()
         if n_embd % n_head != 0:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.dropout = dropout
         self.qkv = Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = Linear(n_embd, n_embd, bias=bias, std=proj_std)
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        # (B, T, C) -> three (B, n_head, T, head_dim)
-        q, k, v = (
-            t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2)
-            for t in self.qkv(x).split(channels, dim=2)
-        )
+        batch, time, _ = x.shape
+        # (B, T, heads x 3 x head_dim) -> three (B, heads, T, head_dim)
+        qkv = self.qkv(x).view(batch, time, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split(self.head_dim, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, time, channels)
+        y = y.transpose(1, 2).reshape(batch, time, -1)
         return self.resid_dropout(self.proj(y))
 
 
@@ -183,8 +187,38 @@ class GPT(CausalLM):
         x = tr.drop(tr.wte(idx) + tr.wpe(positions))
         for block in tr.h:
             x = block(x)
-        # Output projection tied to the token embedding: one (vocab, n_embd) parameter, no separate lm_head.
-        return F.linear(tr.ln_f(x), tr.wte.weight)
+        # Output projection tied to the token embedding: one (vocab, n_embd) parameter, no separate lm_head. Under
+        # tensor parallelism that weight's vocabulary rows are split over the tensor-parallel ranks (a DTensor): each
+        # rank computes its part of the vocabulary's logits, then all are gathered for the loss.
+        x, weight = tr.ln_f(x), tr.wte.weight
+        if isinstance(weight, DTensor):
+            return F.linear(
+                DTensor.from_local(x, weight.device_mesh, [Replicate()], run_check=False), weight
+            ).full_tensor()
+        return F.linear(x, weight)
+
+    def tensor_parallel_plan(self, size: int) -> dict[str, str]:
+        """What ``ShardedStrategy(tensor_parallel_size=size)`` splits (``tensor_parallel_plan="auto"``): each block's
+        attention heads and MLP hidden units (Megatron's pair: the layer into them column-wise, the layer out of them
+        row-wise, one all-reduce each in forward and backward), and the vocabulary of the tied embedding.
+
+        Example:
+            >>> model = GPT(n_layer=1, n_head=4, n_embd=8, vocab_size=256, block_size=8)
+            >>> model.tensor_parallel_plan(2)["transformer.wte"]
+            'rowwise'
+        """
+        if self.hparams.n_head % size:
+            raise ValueError(
+                f"`tensor_parallel_size={size}` does not divide the GPT's n_head={self.hparams.n_head}: each rank "
+                "computes whole attention heads. Choose a divisor of n_head."
+            )
+        return {
+            "transformer.wte": "rowwise",
+            "transformer.h.*.attn.qkv": "colwise",
+            "transformer.h.*.attn.proj": "rowwise",
+            "transformer.h.*.mlp.fc": "colwise",
+            "transformer.h.*.mlp.proj": "rowwise",
+        }
 
     def configure_optimizers(self) -> dict[str, Any]:
         # Decay only the weight matrices; biases, LayerNorm and embedding tables are left alone.

@@ -62,6 +62,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, WORLD_SIZE_KEY, StateLayout, lookup
+from lightning_shard.checkpoint.model_parallel import model_parallel_layout, with_model_parallel_entries
 from lightning_shard.checkpoint.publish import delete, publish, publish_link, restore_interrupted, staging_path
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
@@ -363,7 +364,8 @@ class ShardedCheckpointIO(CheckpointIO):
         _set_live_states(model, optimizers, model_state, loaded, strict)
         for key in averaged_sources:
             set_model_state_dict(averaged[key], averaged_states[key], options=StateDictOptions(strict=strict))
-        return _without_states(target, saved)
+        rest = _without_states(target, saved)
+        return with_model_parallel_entries(path, rest) if model_parallel_layout(path, metadata) else rest
 
     def _load_full(
         self,
@@ -445,8 +447,8 @@ def _check_full(
 def _recorded_layout(path: Path, metadata: Metadata) -> StateLayout:
     """The layout a sharded checkpoint recorded (one small pickled entry); the Trainer's if it recorded none."""
     entry = metadata.state_dict_metadata.get(LAYOUT_KEY)
-    if entry is None:
-        return TRAINER_LAYOUT
+    if entry is None:  # the Trainer's, or Lightning's ModelParallelStrategy's
+        return model_parallel_layout(path, metadata) or TRAINER_LAYOUT
     target: dict[str, Any] = {LAYOUT_KEY: entry}
     _load_without_collectives(target, InPlaceFileSystemReader(path, metadata), dcp.DefaultLoadPlanner())
     return StateLayout.from_record(target[LAYOUT_KEY])

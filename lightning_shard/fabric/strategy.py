@@ -33,7 +33,6 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -45,6 +44,7 @@ from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
 from lightning_shard.materialize import meta_construction
+from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import clip_grad_norm
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
@@ -60,9 +60,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             ``auto_wrap_policy``, ``activation_checkpointing``, ``reshard_after_forward``, ``forward_prefetch``,
             ``cpu_offload``, ``hybrid_shard_size``, ``reduce_dtype``, ``state_dict_type``, ``async_save``,
             ``preemption`` (whether :meth:`preemptible` acts), ``cpu_collectives``, ``compile``,
-            ``gradient_accumulation``, ``process_group_backend``, ``timeout``, ``start_method`` - with the same
-            checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated (``activation_checkpointing_policy``,
-            ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
+            ``gradient_accumulation``, ``tensor_parallel_size``, ``tensor_parallel_plan``,
+            ``selective_checkpointing_ops``, ``activation_memory_budget``, ``process_group_backend``, ``timeout``,
+            ``start_method`` - with the same checks, and Lightning ``FSDPStrategy`` / FSDP1 spellings translated
+            (``activation_checkpointing_policy``, ``ShardingStrategy`` enums, ``ModuleWrapPolicy``, ...).
             ``gradient_accumulation`` decides what ``fabric.no_backward_sync(model, enabled=True)`` does:
             ``"sharded"`` (default) still reduce-scatters every micro-batch, ``"unsharded"`` skips it.
 
@@ -172,7 +173,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "The model holds FSDP1 `FullyShardedDataParallel` modules; the sharded strategy applies FSDP2's "
                 "`fully_shard` itself. Pass the plain model."
             )
-        if not isinstance(module, FSDPModule):
+        if not is_parallelized(module):
             self._replaced_parameters.update({id(param): param for param in module.parameters()})
             # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.

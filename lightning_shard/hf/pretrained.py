@@ -37,8 +37,9 @@ _PRETRAINED = "_lightning_shard_pretrained_plan"
 # from_pretrained arguments about loading or placement that the shard-by-shard path does its own way.
 _REFUSED = {
     "device_map": "the strategy places and shards the model",
-    "tp_plan": "the strategy shards the model (FSDP2); tensor parallelism is not supported",
-    "tp_size": "the strategy shards the model (FSDP2); tensor parallelism is not supported",
+    "tp_plan": "the strategy splits the model: `ShardedStrategy(tensor_parallel_size=k)` applies the model's own "
+    "`tp_plan` (or `tensor_parallel_plan=...`)",
+    "tp_size": "the strategy splits the model: pass `ShardedStrategy(tensor_parallel_size=k)`",
     "device_mesh": "the strategy builds the mesh",
     "quantization_config": "quantized weights are not supported by the shard-by-shard loader",
     "state_dict": "the weights are read from the safetensors files in `path`",

@@ -22,6 +22,7 @@ from torch import nn
 from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import WeightAveragingPlace, estimate_memory
 from lightning_shard.memory.units import count_parameters
+from lightning_shard.tensor_parallel import TensorParallelPlan
 
 GIB = 2**30
 _OPTIONS = (("NO_SHARD", False), ("SHARD_GRAD_OP", False), ("FULL_SHARD", False), ("FULL_SHARD", True))
@@ -41,15 +42,18 @@ def choose_sharding(
     *,
     world_size: int,
     precision: str,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
     device_memory_bytes: int,
     can_offload: bool,
     accumulate_grad_batches: int = 1,
     gradient_accumulation: GradientAccumulation = "sharded",
     weight_averaging: WeightAveragingPlace | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: TensorParallelPlan = "auto",
     headroom: float = 0.7,
 ) -> ShardingChoice:
-    """Pick the sharding for ``model`` (meta device is fine) on ranks with ``device_memory_bytes`` each.
+    """Pick the sharding for ``model`` (meta device is fine) on ranks with ``device_memory_bytes`` each; under tensor
+    parallelism the estimate is one tensor-parallel rank's share of the model, sharded over the data-parallel ranks.
 
     Example:
         >>> choice = choose_sharding(nn.Linear(1000, 1000), world_size=2, precision="32-true",
@@ -62,6 +66,8 @@ def choose_sharding(
     needs = []
     total, _, trainable, _ = count_parameters(model)
     counts = f"{total:,} parameters" + (f", {total - trainable:,} of them frozen" if trainable < total else "")
+    if tensor_parallel_size > 1:
+        counts += f", split over {tensor_parallel_size} tensor-parallel ranks"
     for sharding_strategy, offload in _OPTIONS:
         if offload and not can_offload:
             continue
@@ -75,6 +81,8 @@ def choose_sharding(
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_accumulation=gradient_accumulation,
             weight_averaging=weight_averaging,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan,
         )
         label = sharding_strategy + (" + CPU offload" if offload else "")
         needs.append(f"{label} {_size(estimate.device.total_bytes)}")

@@ -30,14 +30,23 @@ parameters of the largest wrap unit):
   (they are the gradients of the gathered parameters, which live there). Meanwhile the sharded gradients do not
   exist on the device (Lightning frees them after the previous step; the last reduce-scatter creates them as it
   frees the whole ones), so the device's ``grads`` is 0 at its peak; with ``cpu_offload`` they stay on the host.
+* tensor parallelism (``tensor_parallel_size = t > 1``): the plan's split parameters (``Ψ_s`` of ``Ψ``: the linear
+  layers' weights, column-wise biases, vocabulary-split embeddings) count ``1/t`` per rank, the rest whole: every count
+  above is one tensor-parallel rank's, ``Ψ - Ψ_s + Ψ_s/t``, and FSDP shards it over the ``world_size / t``
+  data-parallel ranks.
 * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 2):
   ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in 16-bit (doubled in fp32) for sequence ``s``, micro-batch ``b``, width
-  ``h``, heads ``a``. The ``5·a·s/h`` term is the attention scores, softmax and its dropout mask; fused attention
-  (``scaled_dot_product_attention``'s flash and memory-efficient kernels, what the example GPT, transformers'
-  ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with ``fused_attention=False`` (eager
-  attention). With activation checkpointing each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer
-  recomputed in full. Plus ``4·s·b·V`` for the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``,
-  ``n_head`` and ``seq_len`` are given. All of them at once: an upper bound of what backward holds at its peak.
+  ``h``, heads ``a``; under tensor parallelism without sequence parallelism (their eq. 4) ``s·b·h·(10 + 24/t +
+  5·a·s/(h·t))``: the norms' and dropouts' activations stay whole on every rank. The ``5·a·s/h`` term is the attention
+  scores, softmax and its dropout mask; fused attention (``scaled_dot_product_attention``'s flash and memory-efficient
+  kernels, what the example GPT, transformers' ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with
+  ``fused_attention=False`` (eager attention). With activation checkpointing (``activation_checkpointing=True`` or
+  ``"full"``) each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer recomputed in full; with
+  ``"selective"`` (the per-op policy of :mod:`lightning_shard.activation_checkpointing`) also the outputs it saves,
+  the first and third of a GPT block's four matmuls (qkv ``3h``, MLP in ``4h``) and attention's (``h``), split over
+  the tensor-parallel ranks: ``2·s·b·h·(1 + 8/t)`` per layer, plus one layer recomputed in full. Plus ``4·s·b·V`` for
+  the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``, ``n_head`` and ``seq_len`` are given. All of
+  them at once: an upper bound of what backward holds at its peak.
 * weight averaging (EMA, SWA; :mod:`lightning_shard.averaging`): an fp32 copy of every parameter, sharded like them,
   ``4 × Ψ / N`` B, beside the sharded parameters (``weight_averaging="device"``: on the device, or on the host under
   ``cpu_offload``) or in host memory (``"cpu"``, the callbacks' ``device="cpu"``).
@@ -78,8 +87,9 @@ from torch import nn
 from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
-from lightning_shard.memory.units import count_parameters, mesh_shape, replicated_parameter_counts
+from lightning_shard.memory.units import checkpointing_mode, count_parameters, mesh_shape, replicated_parameter_counts
 from lightning_shard.precision import PRECISION_ALIASES
+from lightning_shard.tensor_parallel import TensorParallelPlan, split_parameters
 
 GIB = 2**30
 
@@ -122,8 +132,9 @@ def activation_bytes(
     micro_batch_size: int,
     vocab_size: int | None,
     compute_bytes: int,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
     fused_attention: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """Activation bytes of one micro-batch (Korthikanti et al. 2022), see the module docstring.
 
@@ -133,12 +144,19 @@ def activation_bytes(
         69632
         >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, fused_attention=False)
         90112
+        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, tensor_parallel_size=2)
+        45056
+        >>> [activation_bytes(**dims, compute_bytes=2, activation_checkpointing=mode) for mode in ("full", "selective")]
+        [73728, 106496]
     """
     sbh = seq_len * micro_batch_size * n_embd
     scale = compute_bytes / 2  # the formula counts 16-bit activations
-    scores = 0 if fused_attention else 5 * n_head * seq_len / n_embd
-    layer = sbh * (34 + scores) * scale
-    layers = n_layer * 2 * sbh * scale + layer if activation_checkpointing else n_layer * layer
+    t = tensor_parallel_size
+    scores = 0 if fused_attention else 5 * n_head * seq_len / (n_embd * t)
+    layer = sbh * (10 + 24 / t + scores) * scale
+    mode = checkpointing_mode(activation_checkpointing)
+    kept = {"full": 2 * sbh, "selective": 2 * sbh * (1 + 8 / t)}  # per checkpointed layer (module docstring)
+    layers = n_layer * kept[mode] * scale + layer if mode in kept else n_layer * layer
     logits = 4 * seq_len * micro_batch_size * vocab_size if vocab_size else 0
     return int(layers + logits)
 
@@ -150,11 +168,11 @@ def _normalise_precision(precision: str | int) -> str:
     return name
 
 
-def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int) -> int:
+def _shard_degree(sharding_strategy: str, world_size: int, num_nodes: int, tensor_parallel_size: int) -> int:
     if sharding_strategy == "HYBRID_SHARD" and world_size % num_nodes:
         raise ValueError(f"HYBRID_SHARD needs world_size ({world_size}) divisible by num_nodes ({num_nodes})")
-    # The ranks a parameter is sharded over: the last dimension of the strategy's own mesh.
-    return mesh_shape(sharding_strategy, world_size, num_nodes)[-1]
+    # The ranks a parameter is sharded over: the last dimension of the strategy's own data-parallel mesh.
+    return mesh_shape(sharding_strategy, world_size, num_nodes, tensor_parallel_size)[-1]
 
 
 def estimate_memory(
@@ -166,7 +184,7 @@ def estimate_memory(
     sharding_strategy: ShardingStrategy = "FULL_SHARD",
     precision: str | int = "32-true",
     cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     optimizer: str = "adamw",
     accumulate_grad_batches: int = 1,
     gradient_accumulation: GradientAccumulation = "sharded",
@@ -181,6 +199,8 @@ def estimate_memory(
     trainable_params: int | None = None,
     input_fn: Callable[[], Any] | None = None,
     weight_averaging: WeightAveragingPlace | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: TensorParallelPlan = "auto",
 ) -> MemoryEstimate:
     """Estimate the memory of one rank; see the module docstring for the formula and the published figures.
 
@@ -194,6 +214,8 @@ def estimate_memory(
     ``accumulate_grad_batches`` and ``gradient_accumulation`` are the Trainer's and the strategy's settings;
     ``fused_attention=False`` counts the attention scores that eager (unfused) attention keeps for backward.
     ``weight_averaging``: ``"device"`` or ``"cpu"`` counts an averaged copy kept there (module docstring).
+    ``tensor_parallel_size`` / ``tensor_parallel_plan``: the strategy's; the plan (resolved on the module as the
+    strategy resolves it) says which parameters split.
 
     Example:
         >>> est = estimate_memory(1_000_000, world_size=2, largest_unit_params=0)
@@ -224,6 +246,7 @@ def estimate_memory(
     if weight_averaging not in (None, *get_args(WeightAveragingPlace)):
         raise ValueError(f"weight_averaging must be None, 'device' or 'cpu', got {weight_averaging!r}")
     precision = _normalise_precision(precision)
+    checkpointing_mode(activation_checkpointing)
     config = {
         "mode": mode,
         "world_size": world_size,
@@ -239,12 +262,18 @@ def estimate_memory(
         "micro_batch_size": micro_batch_size,
         "seq_len": seq_len,
         "weight_averaging": weight_averaging,
+        "tensor_parallel_size": tensor_parallel_size,
+        "tensor_parallel_plan": tensor_parallel_plan,
     }
     if trainable_params is not None and not isinstance(model, int):
         raise ValueError(
             "trainable_params is for a parameter count; a module says which parameters train by their requires_grad"
         )
     if mode == "simulate":
+        if tensor_parallel_size > 1:
+            # fully_shard of a tensor-parallel parameter builds its 2-D mesh with tensor ops (DeviceMesh._concatenate),
+            # which FakeTensorMode cannot run (a data-dependent `nonzero`; torch 2.13).
+            raise ValueError('mode="simulate" does not simulate tensor parallelism; use the formula (mode="formula")')
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
         simulated = simulate_memory(model, input_fn, config)
@@ -255,9 +284,14 @@ def estimate_memory(
         raise ValueError(f'mode must be "formula" or "simulate", got {mode!r}')
 
     if isinstance(model, nn.Module):
-        n_params, largest, trainable, largest_trainable = count_parameters(model)
+        split = _split_parameters(model, tensor_parallel_plan, tensor_parallel_size)
+        n_params, largest, trainable, largest_trainable = count_parameters(model, split, tensor_parallel_size)
+        whole = count_parameters(model) if split else None  # what the model holds, for the report
+    elif tensor_parallel_size > 1:
+        raise ValueError("a tensor-parallel estimate needs the model (a module): its plan says which parameters split")
     elif isinstance(model, int):
         n_params, largest, trainable = model, model, _trainable_count(model, trainable_params)
+        whole = None
         if None not in (n_layer, n_embd, vocab_size, seq_len):
             largest = gpt_parameter_count(n_layer, n_embd, vocab_size, seq_len)[1]
         largest_trainable = _trainable_share(largest, trainable, n_params)
@@ -267,13 +301,13 @@ def estimate_memory(
         largest, largest_trainable = largest_unit_params, _trainable_share(largest_unit_params, trainable, n_params)
 
     param_b, grad_b, state_b, compute_b = _PRECISION_BYTES[precision]
-    shards = _shard_degree(sharding_strategy, world_size, num_nodes)
+    shards = _shard_degree(sharding_strategy, world_size, num_nodes, tensor_parallel_size)
     states = OPTIMIZER_STATES_PER_PARAM[optimizer]
-    whole, whole_trainable = replicated_parameter_counts(model) if isinstance(model, nn.Module) else (0, 0)
+    replicated, replicated_trainable = replicated_parameter_counts(model) if isinstance(model, nn.Module) else (0, 0)
     sharded = MemoryBreakdown(
-        params=math.ceil((n_params - whole) * param_b / shards),
-        grads=math.ceil((trainable - whole_trainable) * grad_b / shards),
-        optimizer_states=math.ceil((trainable - whole_trainable) * states * state_b / shards),
+        params=math.ceil((n_params - replicated) * param_b / shards),
+        grads=math.ceil((trainable - replicated_trainable) * grad_b / shards),
+        optimizer_states=math.ceil((trainable - replicated_trainable) * states * state_b / shards),
     )
     # Units kept gathered (module docstring), plus one unit's reduce-scatter input in the reduce dtype.
     kept = n_params if sharding_strategy in ("SHARD_GRAD_OP", "NO_SHARD") else 3 * largest
@@ -290,14 +324,15 @@ def estimate_memory(
             compute_bytes=compute_b,
             activation_checkpointing=activation_checkpointing,
             fused_attention=fused_attention,
+            tensor_parallel_size=tensor_parallel_size,
         )
     accumulated = trainable * grad_b if gradient_accumulation == "unsharded" and accumulate_grad_batches > 1 else 0
     on_device = MemoryBreakdown(
         # the replicated parameters' gradients are among the whole ones while those are held
-        params=whole * param_b,
-        grads=0 if accumulated else whole_trainable * grad_b,
+        params=replicated * param_b,
+        grads=0 if accumulated else replicated_trainable * grad_b,
         accumulated_grads=accumulated,
-        optimizer_states=whole_trainable * states * state_b,
+        optimizer_states=replicated_trainable * states * state_b,
         gathered_peak=gathered,
         activations=activations,
     )
@@ -309,7 +344,20 @@ def estimate_memory(
     # Beside the shards is on the host when they are offloaded.
     place = "cpu" if weight_averaging and cpu_offload else weight_averaging
     device, cpu = _with_averaged_copy(device, cpu, n_params, shards, place)
-    return MemoryEstimate(n_params=n_params, trainable_params=trainable, device=device, cpu=cpu, config=config)
+    reported = (whole.total, whole.trainable) if whole is not None else (n_params, trainable)
+    return MemoryEstimate(n_params=reported[0], trainable_params=reported[1], device=device, cpu=cpu, config=config)
+
+
+def _split_parameters(model: nn.Module, plan: TensorParallelPlan, size: int) -> set[int]:
+    if size == 1:
+        return set()
+    split = split_parameters(model, plan, size)
+    if split is None:
+        raise ValueError(
+            "a `parallelize_fn` plan splits whatever it does, which only applying it tells; estimate with the plan as "
+            "a dict of module-name patterns to styles (or 'auto'), or use mode='simulate'"
+        )
+    return split
 
 
 def _with_averaged_copy(

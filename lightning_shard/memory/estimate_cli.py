@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: model block_size)")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_nomomentum"))
     parser.add_argument(
+        "--tensor-parallel-size", type=int, help="ranks splitting each layer (default: the strategy's setting, else 1)"
+    )
+    parser.add_argument(
         "--gradient-accumulation",
         choices=get_args(GradientAccumulation),
         help="where gradients accumulate over micro-batches (default: the strategy's setting, else 'sharded')",
@@ -114,11 +117,16 @@ def _strategy_options(trainer: dict[str, Any]) -> dict[str, Any]:
     strategy = trainer.get("strategy")
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     return {
+        "tensor_parallel_size": init_args.get("tensor_parallel_size", 1),
+        "tensor_parallel_plan": init_args.get("tensor_parallel_plan", "auto"),
         "gradient_accumulation": init_args.get("gradient_accumulation", "sharded"),
         "sharding_strategy": init_args.get("sharding_strategy", "FULL_SHARD"),
         "cpu_offload": bool(init_args.get("cpu_offload", False)),
-        # The strategy takes a wrap policy here (e.g. ["Block"]); any policy means checkpointed blocks.
-        "activation_checkpointing": bool(init_args.get("activation_checkpointing")),
+        # The strategy takes a wrap policy here (e.g. ["Block"]): any policy means checkpointed blocks, recomputed whole
+        # unless "selective" (per op).
+        "activation_checkpointing": checkpointed
+        if (checkpointed := init_args.get("activation_checkpointing")) == "selective"
+        else bool(checkpointed),
     }
 
 
@@ -228,8 +236,11 @@ def estimate_from_config(args: argparse.Namespace) -> tuple[MemoryEstimate, dict
     strategy = _strategy_options(trainer)
     if args.gradient_accumulation:
         strategy["gradient_accumulation"] = args.gradient_accumulation
-    # The table varies sharding, offload and checkpointing; where gradients accumulate holds for every row.
-    options["gradient_accumulation"] = strategy.pop("gradient_accumulation")
+    if args.tensor_parallel_size:
+        strategy["tensor_parallel_size"] = args.tensor_parallel_size
+    # The table varies sharding, offload and checkpointing; the rest holds for every row.
+    for key in ("gradient_accumulation", "tensor_parallel_size", "tensor_parallel_plan"):
+        options[key] = strategy.pop(key)
     estimate = estimate_memory(model, **options, **strategy)
     return estimate, {"model": model, "model_class": model_class, "init_args": dims, "lora": lora, **options}
 
@@ -275,9 +286,10 @@ def estimate_main(argv: list[str] | None = None) -> int:
         return 0
     config = estimate.config
     frozen = estimate.n_params - estimate.trainable_params
+    split = f", tensor parallel over {config['tensor_parallel_size']}" if config["tensor_parallel_size"] > 1 else ""
     print(
         f"{estimate.n_params:,} parameters{f' ({frozen:,} frozen)' if frozen else ''} on {config['world_size']} "
-        f"ranks ({config['num_nodes']} node(s)), "
+        f"ranks ({config['num_nodes']} node(s){split}), "
         f"{config['precision']}, {config['optimizer']}, micro-batch {config['micro_batch_size']} x "
         f"{config['seq_len']} tokens, {config['accumulate_grad_batches']} accumulated "
         f"({config['gradient_accumulation']})\n"

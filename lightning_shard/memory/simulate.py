@@ -48,7 +48,7 @@ from lightning_shard.materialize import meta_construction
 from lightning_shard.memory.accounting import unsharded_gradients
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.process_memory import host_memory
-from lightning_shard.memory.units import ParameterCounts, count_parameters
+from lightning_shard.memory.units import ParameterCounts, checkpointing_mode, count_parameters
 from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.torch_compat import memory_simulation_tools, tree_leaves
@@ -121,7 +121,7 @@ def _simulate_in_this_process(
     try:
         sharding = ShardingConfig(
             sharding_strategy=config["sharding_strategy"],
-            activation_checkpointing="auto" if config["activation_checkpointing"] else None,
+            activation_checkpointing=_checkpointed(config["activation_checkpointing"]),
             gradient_accumulation=config["gradient_accumulation"],
         )
         # The mesh is built from real rank lists, outside FakeTensorMode (there it would be a data-dependent op).
@@ -157,6 +157,12 @@ def _simulate_in_this_process(
         return counts, breakdown, simulation
     finally:
         dist.destroy_process_group()
+
+
+def _checkpointed(activation_checkpointing: bool | str) -> str | None:
+    """The strategy's setting for the estimator's mode: the ``"auto"`` blocks, recomputed whole or per op."""
+    mode = checkpointing_mode(activation_checkpointing)
+    return {"none": None, "full": "auto", "selective": "selective"}[mode]
 
 
 def _optimizer_step(
