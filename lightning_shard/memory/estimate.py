@@ -277,7 +277,7 @@ def estimate_memory(
         if input_fn is None or not callable(model) or isinstance(model, nn.Module):
             raise ValueError('mode="simulate" needs `model` as a function building the module, and `input_fn`')
         simulated = simulate_memory(model, input_fn, config)
-        shards = _shard_degree(sharding_strategy, world_size, num_nodes)
+        shards = _shard_degree(sharding_strategy, world_size, num_nodes, tensor_parallel_size)
         device, cpu = _with_averaged_copy(simulated.device, simulated.cpu, simulated.n_params, shards, weight_averaging)
         return replace(simulated, device=device, cpu=cpu)
     if mode != "formula":
