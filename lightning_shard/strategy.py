@@ -36,6 +36,7 @@ from lightning_shard.averaging.callbacks import (
     averaged_copy_place,
     averaged_models,
     copy_for_evaluation,
+    restore_weight_averaging,
     shard_weight_averaging,
 )
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
@@ -401,6 +402,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         # Unlike the base Strategy, leave the sharded model where it is: moving it to the CPU would gather nothing
         # useful, and after an exception mid-step FSDP's state cannot be moved at all.
         self.checkpoint_io.teardown()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            restore_weight_averaging(self.lightning_module.trainer.callbacks)  # changed in `setup_environment`
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -160,6 +160,7 @@ def run_trainer(name: str, args: argparse.Namespace) -> None:
         "at_start": recorder.at_start,
         "final": full(get_model_state_dict(model, options=FULL)),
         "built_on": getattr(model, "built_on", None),
+        "class_after_fit": type(averaging) is type(averaging_callback(kind)),
     }
     if isinstance(trainer.strategy, lightning_shard.ShardedStrategy):
         result["averaged_bytes"] = averaging._average_model.local_bytes()

@@ -32,6 +32,7 @@ from lightning_shard.averaging.callbacks import (
     ShardedWeightAveraging,
     averaged_copy_place,
     averaged_models,
+    restore_weight_averaging,
     shard_weight_averaging,
 )
 from lightning_shard.checkpoint import convert, read_sharded_keys
@@ -86,6 +87,8 @@ def test_the_model_is_built_by_the_strategy_not_copied_by_the_callback(runs: dic
     # strategy builds it on the meta device and the copy is made of the shards.
     assert load(runs, "ref", "ema")["built_on"] == "cpu"
     assert load(runs, "two", "ema")["built_on"] == "meta"
+    # When the run ends the callback is the user's class again, ready for another Trainer.
+    assert all(load(runs, "two", name)["class_after_fit"] for name in ("ema", "custom", "swa"))
 
 
 @pytest.mark.parametrize(("scenario", "ratio"), [("ema", 1), ("bf16_mixed", 1), ("bf16_true", 2)])
@@ -287,6 +290,8 @@ def test_the_users_callback_keeps_its_identity_name_state_key_and_methods() -> N
     assert averaged_models(callbacks) == {}  # copies exist from `on_fit_start` on
     shard_weight_averaging([ema])  # a second fit: nothing changes
     assert type(ema).__mro__.count(ShardedWeightAveraging) == 1
+    restore_weight_averaging(callbacks)  # when the run ends
+    assert [type(c) for c in callbacks] == [EMAWeightAveraging, FromStep100, WeightAveraging]
 
 
 def test_stochastic_weight_averaging_is_refused_with_the_way_out() -> None:

@@ -152,6 +152,25 @@ def shard_weight_averaging(callbacks: list[Callback]) -> None:
             callback.__class__ = _sharded_class(type(callback))
 
 
+def restore_weight_averaging(callbacks: list[Callback]) -> None:
+    """Give the callbacks :func:`shard_weight_averaging` changed their own class back, in place, when the run ends:
+    the same instance can then go to another Trainer and strategy (or be pickled) as the class the user made.
+    Their averaged copy stays where ``_average_model`` holds it.
+
+    Example:
+        >>> from lightning.pytorch.callbacks import EMAWeightAveraging
+        >>> callbacks = [EMAWeightAveraging(decay=0.999)]
+        >>> shard_weight_averaging(callbacks)
+        >>> restore_weight_averaging(callbacks)
+        >>> type(callbacks[0]) is EMAWeightAveraging
+        True
+    """
+    for callback in callbacks:
+        user_class = getattr(type(callback), "_user_class", None)
+        if user_class is not None:
+            callback.__class__ = user_class
+
+
 def copy_for_evaluation(path: str, module: nn.Module) -> dict[str, ShardedAveragedModel]:
     """Where validate / test / predict load a checkpoint that holds an averaged copy: a copy of ``module`` for the load
     to fill, whose values then replace the module's (:meth:`ShardedAveragedModel.copy_to`), so that the averaged
@@ -201,6 +220,11 @@ def averaged_copy_place(callbacks: list[Callback]) -> str | None:
 def _sharded_class(cls: type[WeightAveraging]) -> type[ShardedWeightAveraging]:
     """``cls`` with :class:`ShardedWeightAveraging` just above ``WeightAveraging`` in its method order; named as
     ``cls``, so that the checkpoint's callback state key stays the same."""
-    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_user_class": cls,  # for `restore_weight_averaging`
+    }
     bases = (ShardedWeightAveraging,) if cls is WeightAveraging else (cls, ShardedWeightAveraging)
     return type(cls.__name__, bases, namespace)
