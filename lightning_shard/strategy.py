@@ -58,6 +58,7 @@ from lightning_shard.preemption import add_strategy_preemption
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.tensor_parallel import TensorParallelPlan
+from lightning_shard.tensor_parallel.loss import local_outputs, loss_parallel_when, uses_loss_parallel
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -290,6 +291,33 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         # torchmetrics states, `LightningModule.device` - follows here, or metrics would update on the wrong device.
         assert self.model is not None
         place_unmanaged_state(self.model, self.root_device)
+
+    # A "loss_parallel" plan entry leaves the logits split over the vocabulary: the steps' losses and their backward
+    # run inside torch's `loss_parallel()`, and Lightning gets the losses as plain tensors (tensor_parallel/loss.py).
+    def _loss_parallel(self) -> Any:
+        return loss_parallel_when(
+            self.config.tensor_parallel_size > 1 and uses_loss_parallel(self.config.tensor_parallel_plan)
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return local_outputs(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return local_outputs(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_parallel():
+            return local_outputs(super().test_step(*args, **kwargs))
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._loss_parallel():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

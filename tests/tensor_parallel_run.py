@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,6 +66,17 @@ class Scenario:
     fabric: bool = False
 
 
+# The tiny Llama's plan written as a dict (its own `tp_plan` gathers the logits), the output layer vocabulary-parallel.
+_LAYER = "model.model.layers.*."
+LLAMA_LOSS_PARALLEL_PLAN = {
+    "model.model.embed_tokens": "rowwise",
+    **{f"{_LAYER}self_attn.{name}_proj": "colwise" for name in "qkv"},
+    f"{_LAYER}self_attn.o_proj": "rowwise",
+    **{f"{_LAYER}mlp.{name}_proj": "colwise" for name in ("gate", "up")},
+    f"{_LAYER}mlp.down_proj": "rowwise",
+    "model.lm_head": "loss_parallel",
+}
+
 SCENARIOS = {
     "gpt": Scenario("gpt", save=True),
     "llama": Scenario("llama", {"state_dict_type": "full"}, save=True),
@@ -87,6 +99,8 @@ SCENARIOS = {
     "litgpt": Scenario("litgpt"),
     "pretrained": Scenario("llama", source="pretrained"),
     "lora": Scenario("llama", lora=True),
+    # a dict plan whose output layer keeps the logits split over the vocabulary: the loss computed vocabulary-parallel
+    "llama_loss_parallel": Scenario("llama_loss_parallel", {"tensor_parallel_plan": LLAMA_LOSS_PARALLEL_PLAN}),
 }
 
 
@@ -138,6 +152,27 @@ class Llama(L.LightningModule):
     def generate_after_fit(self) -> list[list[int]]:
         with torch.no_grad():
             return self.model.generate(torch.tensor(PROMPT), max_new_tokens=6, do_sample=False, pad_token_id=0).tolist()
+
+
+class LlamaLossParallel(Llama):
+    """The tiny Llama whose training step logs its loss as users do; under a "loss_parallel" plan entry the logits
+    and the loss inside the step are DTensors (the strategy hands Lightning the loss as a plain tensor)."""
+
+    loss_collectives: dict[str, int] | None = None
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        with CommDebugMode() as comm:  # what computing the loss communicates
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        if self.loss_collectives is None:
+            self.logits_placements = str(getattr(logits, "placements", None))
+            self.loss_collectives = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        self.log("train_loss", loss)
+        return loss
+
+    def generate_after_fit(self) -> None:
+        return None  # transformers' generate samples from plain logits
 
 
 class LitGPT(L.LightningModule):
@@ -272,6 +307,9 @@ def run(name: str, devices: int, tp: int, mode: str, checkpoints: Path, out: Pat
     }
     if read is not None:
         result["elements_read"] = per_rank(read["elements"])
+    if isinstance(model, LlamaLossParallel):
+        result["loss_collectives"], result["logits_placements"] = model.loss_collectives, model.logits_placements
+        result["logged_loss"] = float(trainer.callback_metrics["train_loss"])
     if trainer.is_global_zero:
         torch.save(result, out / f"{name}.pt")
 
@@ -309,6 +347,8 @@ def _model(scenario: Scenario, checkpoints: Path) -> L.LightningModule:
         return TinyGPT()
     if scenario.family == "litgpt":
         return LitGPT()
+    if scenario.family == "llama_loss_parallel":
+        return LlamaLossParallel()
     return Llama(scenario.source, str(checkpoints / "llama-pretrained"), lora=scenario.lora)
 
 

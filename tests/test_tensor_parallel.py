@@ -10,8 +10,9 @@ both dimensions with accumulation and selective activation checkpointing, bf16-m
 slice, LoRA adapters following their base layer's plan, Fabric, a configure_model() that shards by hand, the sharded
 checkpoint resumed at 2 x 2, 1 x 2 and by one process and, converted to a full file, by Lightning itself, Lightning
 ModelParallelStrategy's own checkpoint resumed, and the full file exported with ``export-hf``; litgpt's GPT (1 x 2) with
-the plan lightning-shard ships. Then what needs no processes: the settings, the plan forms and their errors (on a fake
-2-rank process group). 45 tests; the four launches take 76 s on 2 idle cores, 122 s at load average 5.
+the plan lightning-shard ships; the Llama with a dict plan whose output layer is "loss_parallel" (1 x 2). Then what
+needs no processes: the settings, the plan forms and their errors (on a fake 2-rank process group). 46 tests; the four
+launches take 76 s on 2 idle cores, 122 s at load average 5.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SCRIPT = "tests/tensor_parallel_run.py"
 BOTH = ["gpt", "llama"]
 TWO_BY_TWO = [*BOTH, "gpt_resume", "gpt_clip_accumulate", "gpt_bf16", "pretrained", "lora", "gpt_by_hand",
               "fabric_gpt"]  # fmt: skip
-ONE_BY_TWO = [*BOTH, "gpt_resume", "gpt_resume_full", "gpt_auto", "litgpt"]
+ONE_BY_TWO = [*BOTH, "gpt_resume", "gpt_resume_full", "gpt_auto", "litgpt", "llama_loss_parallel"]
 AFTER_MODEL_PARALLEL = ["gpt_resume_mp"]  # one process (the sharded strategy) resumes ModelParallelStrategy's save
 
 
@@ -133,6 +134,19 @@ def test_pretrained_weights_are_read_slice_by_slice(results: dict[str, Path]) ->
     assert max_weight_diff(run["start"], ref["start"]) == 0.0  # transformers' own from_pretrained
     # each rank reads exactly its tensor-parallel x FSDP slice of every tensor (fp32: 4 bytes an element)
     assert run["elements_read"] == [size // 4 for size in run["parameter_bytes"]]
+
+
+def test_a_loss_parallel_output_layer_keeps_the_logits_split(results: dict[str, Path]) -> None:
+    # A dict plan with `"model.lm_head": "loss_parallel"`: the logits stay split over the vocabulary, the step's
+    # cross-entropy runs under torch's loss_parallel() (all-reduces only, no gather of the logits; without it the
+    # step fails: "aten.nll_loss_forward.default got mixed torch.Tensor and DTensor"), the backward too, and the loss
+    # the step logs (a DTensor) and returns reaches Lightning as the plain value.
+    run, ref = load(results, "1x2", "llama_loss_parallel"), load(results, "ref", "llama_loss_parallel")
+    assert_close(run, ref)
+    assert max_weight_diff(run["start"], ref["start"]) == 0.0
+    assert run["logits_placements"] == "(Shard(dim=2),)" and ref["logits_placements"] == "None"
+    assert set(run["loss_collectives"]) == {"all_reduce"}
+    assert run["logged_loss"] == pytest.approx(run["losses"][-1], abs=1e-6)
 
 
 def test_lora_adapters_follow_their_base_layer(results: dict[str, Path]) -> None:

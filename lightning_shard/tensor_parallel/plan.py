@@ -9,7 +9,8 @@
   ``GPT`` (:mod:`lightning_shard.tensor_parallel.litgpt`).
 * a dict of module-name patterns (``*`` matches one name component: ``"layers.*.attn.q_proj"``) to styles, for any
   model, applied with torch's ``parallelize_module``: :data:`PLAN_STYLES` names (``"colwise"``, ``"rowwise"``,
-  ``"colwise_gather_output"``, ``"sequence_parallel"``) or ``torch.distributed.tensor.parallel.ParallelStyle`` objects
+  ``"colwise_gather_output"``, ``"sequence_parallel"``, ``"loss_parallel"``:
+  :mod:`~lightning_shard.tensor_parallel.loss`) or ``torch.distributed.tensor.parallel.ParallelStyle`` objects
   (``PrepareModuleInput(...)`` and the like, for sequence parallelism between norms and blocks).
 * a callable ``parallelize_fn(model, tp_mesh)`` that applies torch's tensor parallel API itself.
 
@@ -53,6 +54,8 @@ PLAN_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise_gather_output": partial(ColwiseParallel, output_layouts=Replicate()),
     # norms and dropout computing on this rank's slice of the sequence
     "sequence_parallel": SequenceParallel,
+    # an output layer whose logits stay split over the vocabulary, for a vocabulary-parallel loss (`loss.py`)
+    "loss_parallel": partial(ColwiseParallel, use_local_output=False),
 }
 
 
