@@ -29,6 +29,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -58,7 +59,7 @@ from lightning_shard.preemption import add_strategy_preemption
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.tensor_parallel import TensorParallelPlan
-from lightning_shard.tensor_parallel.loss import local_outputs, loss_parallel_when, uses_loss_parallel
+from lightning_shard.tensor_parallel.loss import local_outputs, uses_loss_parallel
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -294,30 +295,30 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
 
     # A "loss_parallel" plan entry leaves the logits split over the vocabulary: the steps' losses and their backward
     # run inside torch's `loss_parallel()`, and Lightning gets the losses as plain tensors (tensor_parallel/loss.py).
-    def _loss_parallel(self) -> Any:
-        return loss_parallel_when(
-            self.config.tensor_parallel_size > 1 and uses_loss_parallel(self.config.tensor_parallel_plan)
-        )
+    def _uses_loss_parallel(self) -> bool:
+        return self.config.tensor_parallel_size > 1 and uses_loss_parallel(self.config.tensor_parallel_plan)
+
+    def _step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not self._uses_loss_parallel():
+            return step(*args, **kwargs)
+        with loss_parallel():
+            return local_outputs(step(*args, **kwargs))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return local_outputs(super().training_step(*args, **kwargs))
+        return self._step(super().training_step, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return local_outputs(super().validation_step(*args, **kwargs))
+        return self._step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_parallel():
-            return local_outputs(super().test_step(*args, **kwargs))
+        return self._step(super().test_step, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with self._loss_parallel():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._step(super().backward, closure_loss, optimizer, *args, **kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -6,20 +6,18 @@ and the backward inside torch's ``loss_parallel()``, so ``F.cross_entropy`` on t
 the split vocabulary with two small all-reduces instead of gathering batch x sequence x vocabulary logits on every
 rank. What a step returns reaches Lightning as plain tensors: a DTensor replicated over its mesh (the loss) becomes
 its local tensor, differentiably. What stays a DTensor is what the user's code sees of the logits (``.full_tensor()``
-gathers them, e.g. to sample) and the loss inside the step (log ``loss.full_tensor()``... or return it).
+gathers them, e.g. to sample) and the loss inside the step (``self.log`` takes it as it is).
 
 A Fabric loop enters ``torch.distributed.tensor.parallel.loss_parallel()`` itself, around the loss and its backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 LOSS_PARALLEL_STYLE = "loss_parallel"
 
@@ -32,18 +30,6 @@ def uses_loss_parallel(plan: object) -> bool:
         (True, False)
     """
     return isinstance(plan, Mapping) and any(style == LOSS_PARALLEL_STYLE for style in plan.values())
-
-
-@contextmanager
-def loss_parallel_when(enabled: bool) -> Generator[None, None, None]:
-    """torch's ``loss_parallel()`` when ``enabled``, nothing otherwise.
-
-    Example:
-        >>> with loss_parallel_when(False):
-        ...     pass
-    """
-    with loss_parallel() if enabled else nullcontext():
-        yield
 
 
 def local_outputs(output: Any) -> Any:

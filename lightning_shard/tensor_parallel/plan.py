@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_shard.tensor_parallel.lora import SplitKind, adapted_targets
+from lightning_shard.tensor_parallel.loss import LOSS_PARALLEL_STYLE
 from lightning_shard.torch_compat import visible_name
 
 TensorParallelPlan = str | Mapping[str, Any] | Callable[[nn.Module, DeviceMesh], Any]
@@ -55,7 +56,7 @@ PLAN_STYLES: dict[str, Callable[[], ParallelStyle]] = {
     # norms and dropout computing on this rank's slice of the sequence
     "sequence_parallel": SequenceParallel,
     # an output layer whose logits stay split over the vocabulary, for a vocabulary-parallel loss (`loss.py`)
-    "loss_parallel": partial(ColwiseParallel, use_local_output=False),
+    LOSS_PARALLEL_STYLE: partial(ColwiseParallel, use_local_output=False),
 }
 
 
