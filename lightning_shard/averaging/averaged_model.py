@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 
 from lightning_shard.direct_calls import drop_gathered_parameters
+from lightning_shard.memory.accounting import local_tensor
 from lightning_shard.torch_compat import foreach_form, is_persistent_buffer, visible_name
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -90,8 +91,7 @@ class _Slot:
 
     def current(self) -> Tensor:
         """This rank's part of the model's tensor now: the local shard of a DTensor, a buffer as it is."""
-        tensor = getattr(self.owner, self.attribute)
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local_tensor(getattr(self.owner, self.attribute))
 
 
 class ShardedAveragedModel(nn.Module):
@@ -253,8 +253,7 @@ class ShardedAveragedModel(nn.Module):
             copy = copies.get(id(tensor))
             if copy is None:
                 copy = copies[id(tensor)] = _averaged_like(tensor, device)
-                local = copy.to_local() if isinstance(copy, DTensor) else copy
-                slots.append(_Slot(owner, attribute, is_parameter, local))
+                slots.append(_Slot(owner, attribute, is_parameter, local_tensor(copy)))
             shadow_owner_name, _, shadow_attribute = visible_name(name).rpartition(".")
             shadow_owner = _submodule(self.module, shadow_owner_name)
             if is_parameter:
