@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
 import itertools
 import sys
@@ -40,11 +41,13 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 
+from lightning_shard.skipped_draws import SKIPPED, generator_of
 from lightning_shard.torch_compat import (
     TorchDispatchMode,
     draws_random_numbers,
     op_arguments,
     op_base_name,
+    remove_mode,
     storage_key,
     tree_leaves,
     tree_map,
@@ -127,17 +130,50 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class RealValue:
-    """A real tensor an op read: kept by value (``copied``) or by reference with its version at that moment."""
+    """A real tensor an op read: kept by value (``copied``), or by reference with a digest of its bytes at that moment
+    (a change through ``.data`` or by another view leaves its version counter as it was; the digest sees it).
+
+    Example:
+        >>> RealValue.of(torch.ones(2)).copied
+        True
+    """
 
     tensor: torch.Tensor
-    version: int
+    digest: bytes
     copied: bool
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> RealValue:
         if tensor.numel() <= _COPIED_REAL_NUMEL:
-            return cls(tensor.detach().clone(), 0, True)
-        return cls(tensor, tensor._version, False)
+            return cls(tensor.detach().clone(), b"", True)
+        return cls(tensor, tensor_digest(tensor), False)
+
+    def changed(self) -> bool:
+        return not self.copied and tensor_digest(self.tensor) != self.digest
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """A digest of ``tensor``'s values (read on the CPU).
+
+    Example:
+        >>> tensor_digest(torch.zeros(2)) == tensor_digest(torch.zeros(2))
+        True
+    """
+    values = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True, eq=False)
+class GeneratorAt:
+    """A ``generator=`` argument and its state when the op ran: the replay draws from a copy at that state, so that
+    the generator's use after the construction does not change what the replay draws."""
+
+    generator: torch.Generator
+    state: torch.Tensor
+
+    def copy(self) -> torch.Generator:
+        device = self.generator.device if self.generator.device.type not in ("meta", "cpu") else "cpu"
+        return torch.Generator(device=device).set_state(self.state)
 
 
 @dataclass(eq=False)
@@ -237,13 +273,12 @@ class ConstructionLog:
     # HolderKey -> the meta tensor held there when construction ended, as a TensorRef.
     held: dict[HolderKey, TensorRef] = field(default_factory=dict)
     modules: dict[int, nn.Module] = field(default_factory=dict)  # every module seen, by id (kept alive)
+    # HolderKey -> (id, version) of the meta tensor held there when the recording ended: changed after it (by code
+    # run once another model was started on the meta device), it is refused before sharding, never dropped.
+    versions: dict[HolderKey, tuple[int, int]] = field(default_factory=dict)
     # Storage key -> the meta storage: kept alive, so that no other storage takes its address (its key) while the log
     # lives.
     storages: dict[int, Any] = field(default_factory=dict)
-    # Real storages filled from the random stream while recording (and those computed from them): an eager build
-    # draws them at another point of the stream; HolderKey -> its name's part for the error.
-    drawn_real: set[int] = field(default_factory=set)
-    drawn_real_held: list[HolderKey] = field(default_factory=list)
     rng_start: torch.Tensor | None = None  # the CPU generator's state when recording started and ended
     rng_end: torch.Tensor | None = None
 
@@ -272,20 +307,63 @@ def covers_storage(tensor: torch.Tensor) -> bool:
     )
 
 
-@contextmanager
-def record_construction() -> Iterator[ConstructionLog]:
-    """Record the construction of the modules built inside (see module docstring); each module seen keeps the log.
+class Recording:
+    """A recording in progress (see module docstring): :meth:`start`, then :meth:`stop` (:func:`record_construction`
+    is the scoped form). Between them it can step aside (:meth:`pause`, :meth:`resume`) so that a context entered
+    before it (the meta device) can leave first: a model stays recorded after its build until it is set up
+    (:mod:`lightning_shard.meta_window`).
 
     Example:
-        >>> with torch.device("meta"), record_construction() as log:
-        ...     model = nn.Sequential(nn.Linear(2, 2))
-        >>> construction_logs(model) == [log]
-        True
+        >>> recording = Recording().start()
+        >>> recording.stop().ops
+        []
     """
-    log = ConstructionLog(rng_start=torch.default_generator.get_state())
-    rng = _GeneratorWatch(log)
 
-    def registered(table: str) -> Any:
+    def __init__(self, owes_draws: bool = True) -> None:
+        self.log = ConstructionLog(rng_start=torch.default_generator.get_state())
+        self.rng = _GeneratorWatch(self.log)
+        self.recorder = _OpRecorder(self.log, self.rng, owes_draws)
+        self.calls = _PythonCalls(self.log, self.recorder, self.rng)
+        self.factories = _DataFactories(self.log, self.recorder, self.rng)
+        self.handles: list[Any] = []
+        self.modes: list[Any] = []  # the modes pushed now, innermost last
+
+    def start(self, resume: bool = True) -> Recording:
+        self.handles = [
+            register_module_module_registration_hook(self._registered("_modules")),
+            register_module_parameter_registration_hook(self._registered("_parameters")),
+            register_module_buffer_registration_hook(self._registered("_buffers")),
+        ]
+        self.calls.__enter__()
+        return self.resume() if resume else self
+
+    def resume(self, factories: bool = True) -> Recording:
+        """Push the op recorder, and the data factories' recorder (needed where the meta device is the default)."""
+        for mode in (self.recorder, self.factories) if factories else (self.recorder,):
+            mode.__enter__()
+            self.modes.append(mode)
+        return self
+
+    def pause(self) -> None:
+        """Pop the modes :meth:`resume` pushed, wherever they are on the mode stacks."""
+        while self.modes:
+            remove_mode(self.modes.pop())
+
+    def stop(self) -> ConstructionLog:
+        """End the recording; the log notes where each meta tensor is held now."""
+        self.pause()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.calls.__exit__()
+        self.rng.check()
+        self.log.rng_end = torch.default_generator.get_state()
+        _note_held(self.log)
+        return self.log
+
+    def _registered(self, table: str) -> Callable[[nn.Module, str, Any], None]:
+        log = self.log
+
         def hook(parent: nn.Module, name: str, value: Any) -> None:
             old = parent.__dict__[table].get(name, ABSENT)
             seq = next(_SEQUENCE)
@@ -301,28 +379,22 @@ def record_construction() -> Iterator[ConstructionLog]:
 
         return hook
 
-    handles = [
-        register_module_module_registration_hook(registered("_modules")),
-        register_module_parameter_registration_hook(registered("_parameters")),
-        register_module_buffer_registration_hook(registered("_buffers")),
-    ]
-    try:
-        with _recording_ops(log, rng):
-            yield log
-    finally:
-        for handle in handles:
-            handle.remove()
-    rng.check()
-    log.rng_end = torch.default_generator.get_state()
-    _note_held(log)
-
 
 @contextmanager
-def _recording_ops(log: ConstructionLog, rng: _GeneratorWatch) -> Iterator[None]:
-    """Record into ``log`` the ops, the whole calls and the data factories run inside."""
-    recorder = _OpRecorder(log, rng)
-    with recorder, _PythonCalls(log, recorder, rng), _DataFactories(log, recorder, rng):
-        yield
+def record_construction() -> Iterator[ConstructionLog]:
+    """Record the construction of the modules built inside (see module docstring); each module seen keeps the log.
+
+    Example:
+        >>> with torch.device("meta"), record_construction() as log:
+        ...     model = nn.Sequential(nn.Linear(2, 2))
+        >>> construction_logs(model) == [log]
+        True
+    """
+    recording = Recording().start()
+    try:
+        yield recording.log
+    finally:
+        recording.stop()
 
 
 @contextmanager
@@ -338,13 +410,17 @@ def written_storages() -> Iterator[set[int]]:
         >>> written == {storage_key(weight)}
         True
     """
-    log = ConstructionLog(rng_start=torch.default_generator.get_state())
+    recording = Recording(owes_draws=False)
     written: set[int] = set()
     try:
-        with _recording_ops(log, _GeneratorWatch(log)):
-            yield written
+        with recording.calls:
+            recording.resume()
+            try:
+                yield written
+            finally:
+                recording.pause()
     finally:
-        written.update(ref.storage for op in log.ops for ref in op.writes)
+        written.update(ref.storage for op in recording.log.ops for ref in op.writes)
 
 
 def _note_held(log: ConstructionLog) -> None:
@@ -360,8 +436,7 @@ def _note_held(log: ConstructionLog) -> None:
                 if tensor.is_meta:
                     log.storages.setdefault(storage_key(tensor), tensor.untyped_storage())
                     log.held[(id(module), table, name)] = TensorRef.of(tensor)
-                elif storage_key(tensor) in log.drawn_real:
-                    log.drawn_real_held.append((id(module), table, name))
+                    log.versions[(id(module), table, name)] = (id(tensor), tensor._version)
 
 
 def state_bytes(state: torch.Tensor | None) -> bytes:
@@ -394,6 +469,23 @@ def forget_construction(root: nn.Module) -> None:
     """
     for module in root.modules():
         module.__dict__.pop(_LOG, None)
+
+
+class _Internal:
+    """Marks the recorder's own calls (reading a generator's state), which the profile hook must not take for the
+    model code's."""
+
+    active = 0
+
+    def run(self, call: Callable[[], Any]) -> Any:
+        self.active += 1
+        try:
+            return call()
+        finally:
+            self.active -= 1
+
+
+_INTERNAL = _Internal()
 
 
 class _GeneratorWatch:
@@ -443,10 +535,11 @@ class _GeneratorWatch:
 
 
 class _OpRecorder(TorchDispatchMode):
-    def __init__(self, log: ConstructionLog, rng: _GeneratorWatch) -> None:
+    def __init__(self, log: ConstructionLog, rng: _GeneratorWatch, owes_draws: bool) -> None:
         super().__init__()
         self.log = log
         self.rng = rng
+        self.owes_draws = owes_draws  # its skipped draws are owed to the live generators (SKIPPED)
         self.suspended = 0  # inside a function recorded whole
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -454,24 +547,42 @@ class _OpRecorder(TorchDispatchMode):
         if self.suspended:
             return func(*args, **kwargs)
         self.rng.check()
+        if self.owes_draws and draws_random_numbers(func) and not any(t.is_meta for t in _tensors((args, kwargs))):
+            self.settle(generator_of((args, kwargs)))  # a real draw: from where an eager build's stream stands
         out = func(*args, **kwargs)
         op = self._classify(func, args, kwargs, out)
         if op is not None:
             self.log.ops.append(op)
             if op.real_draw:
                 self.rng.explained()
+            else:
+                self.owe(op)
         return out
+
+    def owe(self, op: Op) -> None:
+        """Note a draw skipped on the meta device (see :mod:`lightning_shard.skipped_draws`)."""
+        if self.owes_draws and op.random:
+            SKIPPED.add(generator_of((op.args, op.kwargs)), op)
+
+    def settle(self, generator: torch.Generator) -> None:
+        """Make up ``generator``'s skipped draws now, unrecorded."""
+        if generator.device.type != "cpu" or id(generator) not in SKIPPED.pending:
+            return
+        self.suspended += 1
+        try:
+            SKIPPED.pay(generator)
+        finally:
+            self.suspended -= 1
+        self.rng.explained()
 
     def _classify(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Op | None:
         inputs = _tensors((args, kwargs))
         results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         random = draws_random_numbers(func)
         real = not any(t.is_meta for t in [*inputs, *results])
-        if real:
-            # On real tensors only: no value of the model's, but a draw on the CPU advances the eager build's stream.
-            self._follow_real(inputs, results, random)
-            if not random or any(t.device.type != "cpu" for t in [*inputs, *results]):
-                return None
+        if real and (not random or any(t.device.type != "cpu" for t in [*inputs, *results])):
+            # On real tensors only: no value of the model's; but a draw on the CPU advances the eager build's stream.
+            return None
         input_storages = {storage_key(t) for t in inputs if t.is_meta}
         outputs = [TensorRef.of(t) if t.is_meta and storage_key(t) not in input_storages else None for t in results]
         writes: list[TensorRef] = []
@@ -519,12 +630,6 @@ class _OpRecorder(TorchDispatchMode):
             real,
         )
 
-    def _follow_real(self, inputs: list[torch.Tensor], results: list[Any], random: bool) -> None:
-        """Real tensors drawn while recording, and those computed from them, are noted (see ``drawn_real``)."""
-        drawn = self.log.drawn_real
-        if random or any(storage_key(t) in drawn for t in inputs):
-            drawn.update(storage_key(t) for t in results if isinstance(t, torch.Tensor))
-
 
 def _new_op(
     func: Any,
@@ -568,6 +673,8 @@ def _recorded_args(tree: Any, scratch: set[int] = frozenset()) -> Any:  # type: 
     draw's target) as ``Scratch`` placeholders, other real tensors as ``RealValue``."""
 
     def recorded(value: Any) -> Any:
+        if isinstance(value, torch.Generator):
+            return GeneratorAt(value, _INTERNAL.run(value.get_state))
         if not isinstance(value, torch.Tensor):
             return value
         if value.is_meta:
@@ -640,6 +747,17 @@ class _PythonCalls:
             self._call(frame)
         elif event == "return":
             self._return(frame, arg)
+        elif event == "c_call" and isinstance(getattr(arg, "__self__", None), torch.Generator):
+            self._generator_call(arg.__self__, arg.__name__)
+
+    def _generator_call(self, generator: torch.Generator, method: str) -> None:
+        """A generator's state set (its skipped draws forgiven) or read (they are drawn first), by any caller."""
+        if _INTERNAL.active or self.rng._reading:  # the recorder's own reads
+            return
+        if method in ("manual_seed", "seed", "set_state", "graphsafe_set_state"):
+            SKIPPED.forget(generator)
+        elif method in ("get_state", "graphsafe_get_state"):
+            self.recorder.settle(generator)
 
     def _call(self, frame: Any) -> None:
         code = frame.f_code
@@ -667,9 +785,9 @@ class _PythonCalls:
         overwritten = frozenset({ref.storage}) if ref.whole else frozenset()
         updates = () if ref.whole else (ref,)
         random = function.__name__ != "dirac_"
-        self.log.ops.append(
-            _new_op(function, (ref,), _recorded_args(kwargs), [], (ref,), (), updates, overwritten, random, False)
-        )
+        op = _new_op(function, (ref,), _recorded_args(kwargs), [], (ref,), (), updates, overwritten, random, False)
+        self.log.ops.append(op)
+        self.recorder.owe(op)
         self.open.append(frame)
         self.recorder.suspended += 1
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -47,8 +47,8 @@ from lightning_shard.construction import (
     TensorRef,
     construction_logs,
     forget_construction,
-    record_construction,
 )
+from lightning_shard.meta_window import end_meta_window, meta_window
 from lightning_shard.replay import (
     Overwrite,
     Replay,
@@ -58,6 +58,7 @@ from lightning_shard.replay import (
     strided,
     write_shards,
 )
+from lightning_shard.skipped_draws import SKIPPED
 from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
 from lightning_shard.unset import fill_unset, holds_unset, uninitialized_memory_filled
 
@@ -148,11 +149,8 @@ def meta_construction() -> Iterator[None]:
         >>> layer.weight.is_meta
         True
     """
-    with ExitStack() as stack:
-        for library in _LIBRARIES:
-            stack.enter_context(library.construction_context())
-        stack.enter_context(torch.device("meta"))
-        stack.enter_context(record_construction())
+    contexts = [library.construction_context() for library in _LIBRARIES]
+    with meta_window(*contexts, torch.device("meta")):
         yield
 
 
@@ -175,6 +173,7 @@ def materialize_sharded_module(
         >>> model.weight.is_meta
         False
     """
+    end_meta_window()
     if not has_meta_tensors(root):
         return
     logs = construction_logs(root)
@@ -186,7 +185,8 @@ def materialize_sharded_module(
             reregister_sharded_parameters(module)
     with torch.no_grad(), callers_random_state_kept(), uninitialized_memory_filled():
         plan.run(rng_timeline(logs))
-    _refuse_unwritten(allocated)
+    SKIPPED.pay(skip=plan.undrawn())  # this rank's stream, as the eager build leaves it
+    _refuse_unwritten(allocated, plan.replayed)
     forget_construction(root)
 
 
@@ -220,25 +220,26 @@ def _joined(prefix: str, name: str) -> str:
     return visible_name(".".join(filter(None, [prefix, name])))
 
 
-def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]]) -> None:
-    """The safety net (:mod:`lightning_shard.unset`): a tensor still holding the sentinel was written by nothing.
-    Every rank checks its shards, then all raise the same error. Fake tensors (the memory simulation) have no values to
-    check."""
-    tensors = [(name, _local(module.__dict__[table][key])) for name, module, table, key in allocated]
-    if not any(holds_values(tensor) for _, tensor in tensors):
+def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]], replayed: dict[int, bool]) -> None:
+    """The safety net (:mod:`lightning_shard.unset`): a tensor the replay found depending on unwritten memory
+    (``replayed``: id of each live tensor it wrote -> whether every element was written), or one that something else
+    initialised and that still holds the sentinel, was written by nothing. Every rank checks its shards, then all raise
+    the same error. Fake tensors (the memory simulation) have no values to check."""
+    live = [(name, module.__dict__[table][key]) for name, module, table, key in allocated]
+    tensors = [(name, _local(tensor), replayed.get(id(tensor))) for name, tensor in live]
+    if not any(holds_values(tensor) for _, tensor, _ in tensors):
         return
-    unset = [name for name, tensor in tensors if holds_unset(tensor)]
+    unset = [name for name, tensor, full in tensors if full is False or (full is None and holds_unset(tensor))]
     if _distributed_is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, unset)
-        unset = [name for name, _ in tensors if any(name in names for names in gathered)]
+        unset = [name for name, _, _ in tensors if any(name in names for names in gathered)]
     if unset:
         raise RuntimeError(
             f"The model was built on the meta device, but nothing its construction did wrote {_shown(unset)}, so they "
             "would hold uninitialised memory (an eager build leaves them so too: `torch.empty`, never written). "
             "Initialise them in their module's constructor (`nn.init.*`, or call `self.reset_parameters()` there), "
-            "or build the model in `__init__`. (NaN and an integer dtype's largest value mark unwritten memory here: "
-            "a tensor built to hold them cannot be built on the meta device.)"
+            "or build the model in `__init__`."
         )
 
 
@@ -279,6 +280,7 @@ class _InitPlan:
         self.names = {id(m): name for name, m in root.named_modules()}
         self.held = {key: ref for log in logs for key, ref in log.held.items()}
         self.swap = FullSizeParameters()
+        self.replayed: dict[int, bool] = {}  # id of each live tensor the replay wrote -> every element written
         library_of = {mid: library for library in libraries for mid in library.constructions}
         recorded = [op for log in logs for op in log.ops]
         self.library_op = {
@@ -298,7 +300,6 @@ class _InitPlan:
         ]
         self.ops: list[Op | Overwrite] = sorted([*recorded, *inits], key=lambda op: op.seq)
         produced = {storage for op in self.ops for storage in op.written_storages}
-        self._refuse_drawn_real(logs)
         meta = [(module, key, t) for module in self.modules.values() for key, t in _holders(module) if t.is_meta]
         library_tensors = {key for library in libraries for key in library.tensors}
         library_storages = {self.held[key].storage for key in library_tensors & self.held.keys()}
@@ -347,15 +348,6 @@ class _InitPlan:
             )
         return sorted(modules, key=lambda m: self.order[id(m)])
 
-    def _refuse_drawn_real(self, logs: list[ConstructionLog]) -> None:
-        drawn = [self._name(key) for log in logs for key in log.drawn_real_held if key[0] in self.modules]
-        if drawn:
-            raise TypeError(
-                f"{_shown(drawn)} were drawn from the random stream on a real device while the model was built on the "
-                "meta device (a `device=` argument), so their values come from another point of the stream than in an "
-                "eager build. Create them without `device=` (on the meta device, as the rest of the model)."
-            )
-
     def _refuse_unknown_sources(self, unknown: set[int]) -> None:
         """Tensors computed from meta tensors that nothing recorded produced and no module holds: nothing knows their
         values."""
@@ -398,11 +390,15 @@ class _InitPlan:
         load does not run (``from_pretrained``)."""
         return self.library_op[op.seq].replays_draws if op.seq in self.library_op else True
 
+    def undrawn(self) -> set[float]:
+        """The recorded random ops an eager build does not draw (see :meth:`_draws`)."""
+        return {seq for seq, library in self.library_op.items() if not library.replays_draws}
+
     def _name(self, key: HolderKey) -> str:
         return _joined(self.names.get(key[0], ""), key[2])
 
     def run(self, rng: list[tuple[float, Callable[[], None]]]) -> None:
-        replay = Replay(
+        self.replay = replay = Replay(
             self.ops,
             self.needed,
             write_back={s: partial(self._write_back, s) for s in self.keys_by_storage},
@@ -428,6 +424,7 @@ class _InitPlan:
         written: set[int] = set()
         for key in self.keys_by_storage[storage]:
             live = held_tensor(self.modules, key)
+            self.replayed[id(live)] = storage not in self.replay.unwritten
             if id(live) not in written:
                 written.add(id(live))
                 write_shards(strided(buffer, self.held[key]), live)

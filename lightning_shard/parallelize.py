@@ -30,6 +30,7 @@ from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
 from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.meta_window import end_meta_window, refuse_changes_after_recording
 from lightning_shard.replicated import replicate_unshardable_parameters, unshardable_parameters
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
 from lightning_shard.torch_compat import (
@@ -74,6 +75,8 @@ def parallelize_module(
         ...                    mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(),
         ...                    device=torch.device("cpu"))  # doctest: +SKIP
     """
+    end_meta_window()  # what runs from here (sharding) is no construction of the model's
+    refuse_changes_after_recording(model)
     meta = has_meta_tensors(model)
     if sharded_by_hand(model):
         return _keep_sharding_by_hand(model, device, offload_policy, forward_methods, meta)

@@ -26,9 +26,18 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.construction import ConstructionLog, Op, RealValue, RngEvent, Scratch, TensorRef, state_bytes
+from lightning_shard.construction import (
+    ConstructionLog,
+    GeneratorAt,
+    Op,
+    RealValue,
+    RngEvent,
+    Scratch,
+    TensorRef,
+    state_bytes,
+)
 from lightning_shard.torch_compat import tree_leaves, tree_map
-from lightning_shard.unset import empty_bytes
+from lightning_shard.unset import allocates_unwritten, empty_bytes, fill_twice
 
 _CPU = torch.device("cpu")
 
@@ -129,6 +138,9 @@ class Replay:
         self.buffers: dict[int, torch.Tensor] = {}
         self.nbytes: dict[int, int] = {}
         self.written: set[int] = set()
+        # storage -> its buffer run from the second fill, while unwritten memory may be in it (`unset`)
+        self.second: dict[int, torch.Tensor] = {}
+        self.unwritten: set[int] = set()  # storages finished with elements that depend on unwritten memory
         self.closes: dict[int, list[int]] = {}  # op seq -> storages last used by it
         last: dict[int, int] = {}
         for op in ops:
@@ -155,11 +167,24 @@ class Replay:
         if op.seq in self.needed:
             for storage in op.overwritten:
                 self._buffer(storage, fresh=True)
-            args, kwargs = tree_map(self._real, (op.args, op.kwargs))
-            result = op.func(*args, **kwargs)
-            for leaf, ref in zip(tree_leaves(result), op.outputs, strict=False):
-                if ref is not None:
-                    strided(self.buffers[ref.storage], ref).copy_(leaf)
+            # Run twice where unwritten memory flows in (module docstring of `unset`): the same draws, each on its fill.
+            dual = bool(op.read_storages & self.second.keys())
+            if dual:
+                for storage in op.written_storages - self.second.keys():
+                    self.second[storage] = self.buffers[storage].clone()
+            state = torch.get_rng_state()
+            self._run_on(op, self.buffers)
+            if dual:
+                torch_state_after = torch.get_rng_state()
+                torch.set_rng_state(state)
+                self._run_on(op, {**self.buffers, **self.second}, into=self.second)
+                torch.set_rng_state(torch_state_after)
+            else:
+                for storage in op.overwritten:
+                    self.second.pop(storage, None)
+            if allocates_unwritten(op.func):
+                for ref in filter(None, op.outputs):
+                    self.second[ref.storage] = fill_twice(self.buffers[ref.storage])
             self.written |= op.written_storages
         elif op.random and self.draws(op):
             # Only the draw: what it writes goes to scratch, what it reads is real.
@@ -170,8 +195,23 @@ class Replay:
             return
         for storage in self.closes.get(op.seq, []):
             buffer = self.buffers.pop(storage)
+            second = self.second.pop(storage, None)
+            if second is not None and not torch.equal(buffer, second):
+                self.unwritten.add(storage)
             if storage in self.written and storage in self.write_back:
                 self.write_back[storage](buffer)
+
+    def _run_on(self, op: Op, buffers: dict[int, torch.Tensor], into: dict[int, torch.Tensor] | None = None) -> None:
+        """Run ``op`` on the storages' ``buffers`` (the first fill's, or the second's where they differ); its new
+        tensors go ``into`` those (default: the first fill's)."""
+        args, kwargs = tree_map(lambda value: self._real(value, buffers=buffers), (op.args, op.kwargs))
+        result = op.func(*args, **kwargs)
+        for leaf, ref in zip(tree_leaves(result), op.outputs, strict=False):
+            if ref is not None:
+                target = (into if into is not None else self.buffers).setdefault(
+                    ref.storage, self.buffers[ref.storage].clone()
+                )
+                strided(target, ref).copy_(leaf)
 
     def _buffer(self, storage: int, fresh: bool) -> torch.Tensor:
         buffer = self.buffers.get(storage)
@@ -182,27 +222,37 @@ class Replay:
             self.buffers[storage] = buffer
         return buffer
 
-    def _real(self, value: Any, scratch: set[int] = frozenset()) -> Any:  # type: ignore[assignment]
-        """A recorded argument's value for running the op: a view of its storage's buffer (or of ``scratch``, for
-        those storages), a real tensor's value, the CPU for the meta device."""
+    def _real(
+        self,
+        value: Any,
+        scratch: set[int] = frozenset(),  # type: ignore[assignment]
+        buffers: dict[int, torch.Tensor] | None = None,
+    ) -> Any:
+        """A recorded argument's value for running the op: a view of its storage's buffer (in ``buffers`` where given,
+        or of ``scratch``, for those storages), a real tensor's value, the CPU for the meta device."""
         if isinstance(value, TensorRef):
             if value.storage in scratch:
                 return strided(torch.empty(value.nbytes, dtype=torch.uint8), value)
+            if buffers is not None and value.storage in buffers:
+                return strided(buffers[value.storage], value)
             return strided(self._buffer(value.storage, fresh=False), value)
         if isinstance(value, Scratch):
             return strided(torch.empty(value.layout.nbytes, dtype=torch.uint8), value.layout)
         if isinstance(value, RealValue):
             return _real_value(value)
+        if isinstance(value, GeneratorAt):
+            return value.copy()
         if isinstance(value, torch.device) and value.type == "meta":
             return _CPU
         return value
 
 
 def _real_value(value: RealValue) -> torch.Tensor:
-    if not value.copied and value.tensor._version != value.version:
+    if value.changed():
         raise RuntimeError(
             f"A real tensor of shape {tuple(value.tensor.shape)} that the model's construction read on the meta "
-            "device was changed in place afterwards, so its construction cannot be redone as it ran. Build the model "
+            "device was changed in place afterwards (also through `.data`), so its construction cannot be redone as it "
+            "ran. Build the model "
             "in `__init__`, or leave the tensor unchanged until the model is set up."
         )
     return value.tensor.to(_CPU)

@@ -368,3 +368,34 @@ def set_activation_memory_budget(budget: float) -> None:
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = budget
+
+
+def remove_mode(mode: Any) -> None:
+    """Leave ``mode`` (a ``TorchDispatchMode`` or ``TorchFunctionMode`` entered with ``__enter__``) wherever it is on
+    its stack: modes entered after it and still active are lifted off and put back (torch's ``__exit__`` pops the
+    innermost mode, whichever it is). A mode not on its stack is left alone.
+
+    Example:
+        >>> mode = TorchDispatchMode(); _ = mode.__enter__(); remove_mode(mode)
+    """
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if isinstance(mode, TorchFunctionMode):
+        stack, pop, push = (
+            _get_current_function_mode_stack(),
+            torch._C._pop_torch_function_stack,
+            torch._C._push_on_torch_function_stack,
+        )
+    else:
+        stack = _get_current_dispatch_mode_stack()
+        pop, push = (lambda: torch._C._pop_torch_dispatch_stack(None)), torch._C._push_on_torch_dispatch_stack
+    if not any(entry is mode for entry in stack):
+        return
+    lifted = []
+    while stack and stack[-1] is not mode:
+        lifted.append(pop())
+        stack.pop()
+    mode.__exit__(None, None, None)
+    for entry in reversed(lifted):
+        push(entry)

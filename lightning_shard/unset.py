@@ -1,5 +1,13 @@
 """Values that say "nothing wrote me": the guarantee under the initialisation rule that does not rest on the recorder.
 
+In the replay the check does not rest on a value either: memory that ``torch.empty`` and its kin allocate is run twice,
+once filled with the bytes ``0xFF`` and once with ``0x00`` (:func:`fill_twice`), and every op that reads it runs on both
+(the same draws); a tensor whose two results differ anywhere depends on unwritten memory, whatever its dtype, and
+whatever casts (``torch.empty(4).long()``) or ``empty`` implementations (``bool``, filled with True by torch) did to the
+fill, while any value written on purpose (an int8 127, a uint8 255) is the same in both. The sentinel below remains for
+what the replay does not run op by op (a library's init, a ``reset_parameters()`` of a module built outside a
+recording).
+
 Materialisation allocates every tensor it initialises filled with a sentinel - NaN for floating point (and complex)
 dtypes, the largest value of an integer dtype, the byte ``0xFF`` (no valid ``bool``) for ``bool`` - and replays
 ``torch.empty`` and its kin the same way (torch's ``fill_uninitialized_memory`` under deterministic algorithms). After
@@ -19,7 +27,41 @@ from contextlib import contextmanager
 import torch
 import torch.utils.deterministic
 
-from lightning_shard.torch_compat import holds_values
+from lightning_shard.torch_compat import holds_values, op_base_name
+
+# The ops that return memory they did not write.
+_ALLOCATING = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::empty_permuted",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
+
+
+def allocates_unwritten(func: object) -> bool:
+    """Whether the ATen op ``func`` returns memory it did not write.
+
+    Example:
+        >>> allocates_unwritten(torch.ops.aten.empty_like.default), allocates_unwritten(torch.ops.aten.ones.default)
+        (True, False)
+    """
+    return isinstance(func, torch._ops.OpOverload) and op_base_name(func) in _ALLOCATING
+
+
+def fill_twice(buffer: torch.Tensor) -> torch.Tensor:
+    """Fill the bytes of ``buffer`` (``uint8``) with ``0xFF``; return a copy filled with ``0x00``: two fills that
+    differ in every bit, so that no cast or dtype maps them to one value.
+
+    Example:
+        >>> first = torch.zeros(2, dtype=torch.uint8); fill_twice(first), first
+        (tensor([0, 0], dtype=torch.uint8), tensor([255, 255], dtype=torch.uint8))
+    """
+    buffer.fill_(0xFF)
+    return torch.zeros_like(buffer)
 
 
 @contextmanager

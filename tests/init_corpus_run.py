@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from init_styles import ERRORS, SEED, STYLES, Body, StyleModule  # noqa: E402
+from init_styles import AFTER_BUILD, ERRORS, SEED, STYLES, Body, StyleModule  # noqa: E402
 from toy import QUIET  # noqa: E402
 
 import lightning_shard  # noqa: E402, F401  (registers the strategy)
@@ -34,6 +34,16 @@ FABRIC_STYLES = [
     "rotary_inv_freq_from_arange",
     "timm_trunc_normal_imported_by_name",
     "cast_sequential_to_bf16",
+]
+
+# Built with Fabric, then (outside the build) the style's code, a real head and a draw after setup
+AFTER_BUILD_STYLES = [
+    *AFTER_BUILD,
+    "nanogpt",
+    "discarded_random_draws",
+    "drawn_on_a_real_device",
+    "fork_rng_and_set_rng_state",
+    "timm_trunc_normal_imported_by_name",
 ]
 
 
@@ -70,15 +80,42 @@ def fabric_style(name: str) -> dict[str, Any]:
         return {"error": str(error)}
 
 
-def fabric_real_head() -> dict[str, Any]:
-    """A real head assigned after ``init_module(empty_init=True)``: kept as it was (rank 0's), the body replayed."""
+def fabric_after_build(name: str, seed: int = SEED) -> dict[str, Any]:
+    """``init_module(empty_init=True)``, the style's code after the build, a real head assigned before setup, and a
+    draw after setup (each rank's: ``seed`` may differ per rank)."""
+    runner = fabric()
+    torch.manual_seed(seed)
+    with runner.init_module(empty_init=True):
+        model = STYLES[name]()
+    AFTER_BUILD.get(name, lambda model: None)(model)
+    model.head = nn.Linear(4, 2)
+    state = gathered(runner.setup(model))
+    return {"state": state, "drawn": runner.all_gather(torch.rand(4))}
+
+
+def litgpt_config() -> Any:
+    from litgpt import Config
+
+    return Config(
+        block_size=16, vocab_size=32, padded_vocab_size=32, n_layer=2, n_head=2, n_embd=8, rotary_percentage=1.0,
+        mlp_class_name="LLaMAMLP", intermediate_size=16, norm_class_name="RMSNorm", bias=True,
+    )  # fmt: skip
+
+
+def litgpt_pretrain() -> dict[str, Any]:
+    """litgpt's pretraining script's init path (``litgpt/pretrain.py``): ``init_module(empty_init=True)``, its
+    ``initialize_weights`` (GPT-NeoX init as ``reset_parameters`` overrides, called), ``fabric.setup``."""
+    from litgpt import GPT
+    from litgpt.pretrain import initialize_weights
+
     runner = fabric()
     runner.seed_everything(SEED, verbose=False)
+    config = litgpt_config()
     with runner.init_module(empty_init=True):
-        model = Body()
-    model.head = nn.Linear(4, 2)
-    head = {key: value.detach().clone() for key, value in model.head.state_dict().items()}
-    return {"head_before": head, "state": gathered(runner.setup(model))}
+        model = GPT(config)
+    initialize_weights(runner, model, n_layer=config.n_layer, n_embd=config.n_embd)
+    state = gathered(runner.setup(model))
+    return {"state": state, "drawn": runner.all_gather(torch.rand(4))}
 
 
 def fabric_per_rank_random_state() -> dict[str, Any]:
@@ -97,14 +134,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    results: dict[str, Any] = {"trainer": {}, "fabric": {}}
+    results: dict[str, Any] = {"trainer": {}, "fabric": {}, "after_build": {}}
     for name in STYLES:
         if name not in ERRORS:
             results["trainer"][name] = trainer_style(name)
     for name in [*FABRIC_STYLES, *ERRORS]:
         results["fabric"][name] = fabric_style(name)
-    results["fabric_real_head"] = fabric_real_head()
+    for name in AFTER_BUILD_STYLES:
+        results["after_build"][name] = fabric_after_build(name)
+    # ranks seeded apart before the build: rank 0's weights, each rank's own stream after setup
+    results["seeded_apart"] = fabric_after_build("nanogpt", seed=100 + int(os.environ.get("LOCAL_RANK", "0")))
     results["fabric_per_rank_random_state"] = fabric_per_rank_random_state()
+    results["litgpt"] = litgpt_pretrain()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(results, args.out / "corpus.pt")

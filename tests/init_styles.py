@@ -11,8 +11,10 @@ as Lightning re-seeds every rank when its process group starts (``reset_seed``).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -26,8 +28,19 @@ STYLES: dict[str, Callable[[], nn.Module]] = {}
 REAL_PARTS: dict[str, Callable[[], nn.Module]] = {}
 ERRORS = {
     "empty_never_written": "nothing its construction did wrote",
-    "drawn_on_a_real_device": "were drawn from the random stream on a real device",
+    "unwritten_bool_buffer": "nothing its construction did wrote",
+    "empty_cast_to_long": "nothing its construction did wrote",
+    "empty_int64_cast_to_int32": "nothing its construction did wrote",
 }
+# the tensor each error names
+ERROR_NAMES = {
+    "empty_never_written": "'w'",
+    "unwritten_bool_buffer": "'mask'",
+    "empty_cast_to_long": "'counts'",
+    "empty_int64_cast_to_int32": "'counts'",
+}
+# style -> code run on the built model between `init_module(empty_init=True)` and setup (recorded until setup)
+AFTER_BUILD: dict[str, Callable[[nn.Module], None]] = {}
 
 
 def style(name: str) -> Callable[[Callable[[], nn.Module]], Callable[[], nn.Module]]:
@@ -397,6 +410,85 @@ def _registered_later() -> nn.Module:
     return model
 
 
+# ---------------------------------------------------------------------------------------------- the safety net
+
+
+class Buffers(nn.Module):
+    """A Linear beside one buffer made by ``make`` (unwritten, cast, or holding an integer dtype's extreme)."""
+
+    def __init__(self, name: str, make: Callable[[], torch.Tensor]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer(name, make())
+
+
+for _name, _buffer, _make in [
+    ("unwritten_bool_buffer", "mask", lambda: torch.empty(3, dtype=torch.bool)),
+    ("empty_cast_to_long", "counts", lambda: torch.empty(4).long()),
+    ("empty_int64_cast_to_int32", "counts", lambda: torch.empty(4, dtype=torch.int64).to(torch.int32)),
+    ("int8_127_and_uint8_255", "extremes", lambda: torch.tensor([127, -128], dtype=torch.int8)),
+    ("uint8_255_filled", "extremes", lambda: torch.full((3,), 255, dtype=torch.uint8)),
+    ("empty_then_fully_written_bool", "mask", lambda: torch.empty(3, dtype=torch.bool).fill_(True)),
+]:
+    style(_name)(functools.partial(Buffers, _buffer, _make))
+
+
+# ---------------------------------------------------------------------------------------------- after the build
+
+
+def litgpt_reset_parameters_overrides(model: nn.Module) -> None:
+    """litgpt's pretraining ``initialize_weights``: each module's ``reset_parameters`` overridden on the instance with
+    the GPT-NeoX init, then all called (``litgpt.utils.reset_parameters``)."""
+
+    def init_weights(module: nn.Module, std: float) -> None:
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.Linear)):
+            module.reset_parameters = functools.partial(init_weights, module, std=math.sqrt(2.0 / 5 / 8))
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+def apply_init(model: nn.Module) -> None:
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.5)
+
+    model.apply(init)
+
+
+def generator_used_again(model: nn.Module) -> None:
+    """A ``generator=`` used in the build (``WithGenerator``) is used again before setup."""
+    torch.randn(3, generator=model.generator)
+
+
+for _name, _after in {
+    "litgpt_reset_parameters_overrides": litgpt_reset_parameters_overrides,
+    "model_apply_init_after_build": apply_init,
+}.items():
+    style(_name)(lambda: nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8)))
+    AFTER_BUILD[_name] = _after
+
+
+class ReusedGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(7)
+        self.w = nn.Parameter(torch.empty(5, 3))
+        nn.init.normal_(self.w, generator=self.generator)
+
+
+style("generator_used_again_before_setup")(ReusedGenerator)
+AFTER_BUILD["generator_used_again_before_setup"] = generator_used_again
+
+
 class DrawnOnRealDevice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -423,6 +515,7 @@ class StyleModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = STYLES[self.name]()
+            AFTER_BUILD.get(self.name, lambda model: None)(self.model)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return sum(p.sum() for p in self.parameters())
@@ -438,3 +531,14 @@ def eager_state(name: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)  # Lightning's reset_seed() when the process group starts
     module.configure_model()
     return {key: value.detach().clone() for key, value in module.state_dict().items()}
+
+
+def eager_after_build(name: str, seed: int = SEED) -> dict[str, Any]:
+    """The reference for Fabric's ``init_module(empty_init=True)``, the code after it, a real head assigned before
+    setup and a draw after setup (``init_corpus_run.fabric_after_build``), run eagerly in one process."""
+    torch.manual_seed(seed)
+    model = STYLES[name]()
+    AFTER_BUILD.get(name, lambda model: None)(model)
+    model.head = nn.Linear(4, 2)
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    return {"state": state, "drawn": torch.rand(4)}

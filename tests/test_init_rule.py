@@ -17,8 +17,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import run_script  # noqa: E402
-from init_corpus_run import FABRIC_STYLES  # noqa: E402
-from init_styles import ERRORS, SEED, STYLES, Body, eager_state  # noqa: E402
+from init_corpus_run import AFTER_BUILD_STYLES, FABRIC_STYLES  # noqa: E402
+from init_styles import ERROR_NAMES, ERRORS, SEED, STYLES, eager_after_build, eager_state  # noqa: E402
 
 from lightning_shard.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
 from lightning_shard.materialize import materialize_sharded_module, meta_construction  # noqa: E402
@@ -69,17 +69,46 @@ def test_styles_an_eager_build_cannot_be_reproduced_from_stop_with_the_tensors_n
     result = corpus["fabric"][name]
     assert "state" not in result
     assert ERRORS[name] in result["error"]
-    tensor = {"empty_never_written": "'w'", "drawn_on_a_real_device": "'noise'"}[name]
-    assert tensor in result["error"]
+    assert ERROR_NAMES[name] in result["error"]
 
 
-def test_a_real_head_assigned_after_init_module_keeps_its_values(corpus: dict[str, Any]) -> None:
-    result = corpus["fabric_real_head"]
+@pytest.mark.parametrize("name", AFTER_BUILD_STYLES)
+def test_code_between_init_module_and_setup_and_draws_after_it_match_the_eager_run(
+    corpus: dict[str, Any], name: str
+) -> None:
+    """Recorded until setup: the style's code after the build (litgpt's ``reset_parameters`` overrides,
+    ``model.apply(init)``), a real head assigned after ``init_module(empty_init=True)`` and a draw after setup (on
+    both ranks) as in the eager run."""
+    result, eager = corpus["after_build"][name], eager_after_build(name)
+    assert_equal_states(result["state"], eager["state"])
+    for rank in range(2):
+        assert torch.equal(result["drawn"][rank], eager["drawn"]), (rank, result["drawn"][rank] - eager["drawn"])
+
+
+def test_litgpt_pretrain_init_path_matches_its_eager_build(corpus: dict[str, Any]) -> None:
+    """litgpt's own ``initialize_weights`` between ``init_module(empty_init=True)`` and ``fabric.setup`` on 2 ranks
+    equals the same code run eagerly in one process, tensor by tensor, and so does the draw after setup."""
+    from types import SimpleNamespace
+
+    from init_corpus_run import litgpt_config
+    from litgpt import GPT
+    from litgpt.pretrain import initialize_weights
+
+    config = litgpt_config()
     torch.manual_seed(SEED)
-    body = Body().state_dict()
-    assert_equal_states({k: v for k, v in result["state"].items() if not k.startswith("head.")}, body)
-    assert_equal_states({k.removeprefix("head."): v for k, v in result["state"].items() if k.startswith("head.")},
-                        result["head_before"])  # fmt: skip
+    model = GPT(config)
+    initialize_weights(SimpleNamespace(strategy=None), model, n_layer=config.n_layer, n_embd=config.n_embd)
+    eager = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    drawn = torch.rand(4)
+    assert_equal_states(corpus["litgpt"]["state"], eager)
+    assert torch.equal(corpus["litgpt"]["drawn"][0], drawn) and torch.equal(corpus["litgpt"]["drawn"][1], drawn)
+
+
+def test_ranks_seeded_apart_get_rank_zeros_weights_and_their_own_streams(corpus: dict[str, Any]) -> None:
+    result = corpus["seeded_apart"]
+    assert_equal_states(result["state"], eager_after_build("nanogpt", seed=100)["state"])
+    for rank in range(2):
+        assert torch.equal(result["drawn"][rank], eager_after_build("nanogpt", seed=100 + rank)["drawn"]), rank
 
 
 def test_each_rank_keeps_its_own_random_state(corpus: dict[str, Any]) -> None:
@@ -167,3 +196,37 @@ def test_a_module_built_on_meta_outside_any_recording_runs_its_reset_parameters(
 def test_logs_are_dropped_once_materialised() -> None:
     model = build(STYLES["layer_scale"])
     assert construction_logs(model) == []
+
+
+def test_a_large_real_tensor_changed_through_data_before_setup_is_refused() -> None:
+    """Read by value: a change through ``.data`` (which leaves the version counter as it was) stops the build."""
+    table = torch.randn(300, 300)  # above the size kept by copy
+
+    class FromTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(300, 300))
+            with torch.no_grad():
+                self.w.copy_(table)  # a pretrained table copied in
+
+    with meta_construction():
+        model = FromTable()
+    table.data.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"changed in place afterwards \(also through `.data`\)"):
+        materialize_sharded_module(model, torch.device("cpu"))
+
+
+def test_a_meta_tensor_changed_after_its_recording_ended_is_refused() -> None:
+    """Recorded until setup or until the next model is started on the meta device; a change after that is refused
+    (before sharding), not dropped."""
+    from lightning_shard.meta_window import refuse_changes_after_recording
+
+    with meta_construction():
+        first = nn.Linear(2, 2)
+    nn.init.ones_(first.weight)  # recorded: the recording is still open
+    with meta_construction():
+        nn.Linear(2, 2)  # the next model: the first one's recording ends
+    refuse_changes_after_recording(first)
+    nn.init.zeros_(first.bias)
+    with pytest.raises(RuntimeError, match=r"\['bias'\] were changed on the meta device after their recording ended"):
+        refuse_changes_after_recording(first)
