@@ -425,9 +425,25 @@ def written_storages() -> Iterator[set[int]]:
 
 def _note_held(log: ConstructionLog) -> None:
     """Mark every module in the trees of the modules seen (a deep copy's submodules are never registered one by one)
-    with the log, and note the storage each of their meta tensors is held in."""
+    that holds meta tensors, or contains one that does, with the log, and note the storage each of their meta tensors
+    is held in. A module built for real while the recording ran (a LightningModule, a head) is not marked: its model
+    is not this log's to replay."""
+    with_meta: dict[int, bool] = {}
+
+    def holds_meta(module: nn.Module) -> bool:
+        if id(module) not in with_meta:
+            own = any(
+                t.is_meta
+                for t in itertools.chain(module._parameters.values(), module._buffers.values())
+                if t is not None
+            )
+            with_meta[id(module)] = own or any(holds_meta(child) for child in module.children())
+        return with_meta[id(module)]
+
     for module in [m for seen in list(log.modules.values()) for m in seen.modules()]:
         log.modules[id(module)] = module
+        if not holds_meta(module):
+            continue
         module.__dict__[_LOG] = log
         for table in ("_parameters", "_buffers"):
             for name, tensor in module.__dict__[table].items():
@@ -756,6 +772,8 @@ class _PythonCalls:
             return
         if method in ("manual_seed", "seed", "set_state", "graphsafe_set_state"):
             SKIPPED.forget(generator)
+            if generator is torch.default_generator:
+                self.rng.last = b""  # a "set" even to the state it holds: the eager stream stood elsewhere
         elif method in ("get_state", "graphsafe_get_state"):
             self.recorder.settle(generator)
 
