@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import inspect
 import itertools
 import sys
@@ -41,6 +40,7 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 
+from lightning_shard.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.skipped_draws import SKIPPED, generator_of
 from lightning_shard.torch_compat import (
     TorchDispatchMode,
@@ -83,9 +83,6 @@ OVERWRITES = frozenset(
 )
 # torch.nn.init functions that return at once on a meta tensor: recorded as one op each, replayed whole.
 WHOLE_INIT_FUNCTIONS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
-# Real tensors an op reads are kept by value up to this size (a later in-place change must not reach the replay);
-# larger ones by reference, checked for changes (their version counter) when replayed.
-_COPIED_REAL_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -126,54 +123,6 @@ class TensorRef:
             expected *= size
             numel *= size
         return self.offset == 0 and numel * self.dtype.itemsize == self.nbytes
-
-
-@dataclass(frozen=True)
-class RealValue:
-    """A real tensor an op read: kept by value (``copied``), or by reference with a digest of its bytes at that moment
-    (a change through ``.data`` or by another view leaves its version counter as it was; the digest sees it).
-
-    Example:
-        >>> RealValue.of(torch.ones(2)).copied
-        True
-    """
-
-    tensor: torch.Tensor
-    digest: bytes
-    copied: bool
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> RealValue:
-        if tensor.numel() <= _COPIED_REAL_NUMEL:
-            return cls(tensor.detach().clone(), b"", True)
-        return cls(tensor, tensor_digest(tensor), False)
-
-    def changed(self) -> bool:
-        return not self.copied and tensor_digest(self.tensor) != self.digest
-
-
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """A digest of ``tensor``'s values (read on the CPU).
-
-    Example:
-        >>> tensor_digest(torch.zeros(2)) == tensor_digest(torch.zeros(2))
-        True
-    """
-    values = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-    return hashlib.blake2b(values.numpy().tobytes(), digest_size=16).digest()
-
-
-@dataclass(frozen=True, eq=False)
-class GeneratorAt:
-    """A ``generator=`` argument and its state when the op ran: the replay draws from a copy at that state, so that
-    the generator's use after the construction does not change what the replay draws."""
-
-    generator: torch.Generator
-    state: torch.Tensor
-
-    def copy(self) -> torch.Generator:
-        device = self.generator.device if self.generator.device.type not in ("meta", "cpu") else "cpu"
-        return torch.Generator(device=device).set_state(self.state)
 
 
 @dataclass(eq=False)
@@ -746,6 +695,7 @@ class _PythonCalls:
         self.get_state = torch.random.get_rng_state.__code__
         self.set_state = torch.random.set_rng_state.__code__
         self.open: list[Any] = []  # frames of the calls being recorded whole
+        self.stop_at: dict[Any, Callable[[], None]] = {}  # code object -> what to do when it is called
         self.previous: Any = None
 
     def __enter__(self) -> _PythonCalls:
@@ -779,6 +729,9 @@ class _PythonCalls:
 
     def _call(self, frame: Any) -> None:
         code = frame.f_code
+        if code in self.stop_at:
+            self.stop_at[code]()
+            return
         if self.recorder.suspended:
             return
         if code is self.set_state:

@@ -6,7 +6,8 @@ users call ``model.apply(init)`` or tie weights. On the meta device that compute
 replayed. So :func:`meta_window` starts a recording (:class:`~lightning_shard.construction.Recording`) that outlives
 its block: at the block's end it steps aside while the meta device's context leaves, then records on (the ops on meta
 tensors, the random draws, the registrations) until :func:`end_meta_window` - called where setup starts sharding, or
-when the next model is started on the meta device. A meta tensor changed after its recording ended is refused before
+when the next model is started on the meta device, or when ``fully_shard`` or ``parallelize_module`` is called on
+it by hand. A meta tensor changed after its recording ended is refused before
 sharding, naming it (:func:`refuse_changes_after_recording`).
 
 Example:
@@ -19,16 +20,20 @@ Example:
 from __future__ import annotations
 
 import atexit
+import inspect
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 import torch  # noqa: F401  (the example)
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_shard.construction import Recording, construction_logs
 from lightning_shard.torch_compat import visible_name
 
 _OPEN: list[Recording] = []  # the recording still open after its block, at most one
+_SHARDING_CODES = (inspect.unwrap(fully_shard).__code__, inspect.unwrap(parallelize_module).__code__)
 
 
 @contextmanager
@@ -57,6 +62,8 @@ def meta_window(*contexts: AbstractContextManager) -> Iterator[None]:
         raise
     if recording.log.ops or recording.log.registrations:
         recording.resume(factories=False)  # ops on meta tensors need no meta default device to be seen
+        # Sharding the model by hand after its block (not in `configure_model()`) ends its construction.
+        recording.calls.stop_at = dict.fromkeys(_SHARDING_CODES, end_meta_window)
     else:
         end_meta_window()
 

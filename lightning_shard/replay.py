@@ -26,16 +26,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.construction import (
-    ConstructionLog,
-    GeneratorAt,
-    Op,
-    RealValue,
-    RngEvent,
-    Scratch,
-    TensorRef,
-    state_bytes,
-)
+from lightning_shard.construction import ConstructionLog, Op, RngEvent, Scratch, TensorRef, state_bytes
+from lightning_shard.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.torch_compat import tree_leaves, tree_map
 from lightning_shard.unset import allocates_unwritten, empty_bytes, fill_twice
 
