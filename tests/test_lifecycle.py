@@ -70,11 +70,19 @@ def test_a_second_trainer_or_fabric_with_other_settings_stops_naming_them(result
 def test_buffers_are_rank_zeros_after_each_step_as_under_ddp(result: dict) -> None:
     buffers = result["buffers"]
     assert buffers["steps"] == 4 and len(buffers["buffer names"]) == 15  # 5 BatchNorms
+    assert buffers["layers"] == [["BatchNorm2d"], ["BatchNorm2d"]]  # DDP's and ours
     assert max(buffers["loss differences"]) < TOLERANCE
     assert max(buffers["validation loss differences"]) < TOLERANCE  # evaluation with rank 0's statistics, as DDP
     assert buffers["weight and buffer difference"] < TOLERANCE
     assert buffers["buffers across ranks"] == 0.0
     assert buffers["checkpoint buffers vs rank 0"] == 0.0
+
+
+def test_sync_batchnorm_is_applied_not_ignored(result: dict) -> None:
+    # torch's SyncBatchNorm computes on GPUs only: here the conversion is what can be checked (on 5f9ef12 the model
+    # kept its BatchNorm2d layers and trained with per-rank statistics, without a word).
+    assert result["sync_batchnorm"]["layers"] == ["SyncBatchNorm"]
+    assert "SyncBatchNorm expected input tensor to be on GPU" in result["sync_batchnorm"]["error"]
 
 
 # ------------------------------------------------------------------ in this process
