@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_shard.config import ShardingConfig
@@ -40,15 +41,31 @@ class ShardedWith:
     applied: ShardingConfig
     precision: str
     reduce_dtype: torch.dtype | None
+    mesh: DeviceMesh | None = None
 
 
-def record_sharding(model: nn.Module, requested: ShardingConfig, applied: ShardingConfig, precision: Any) -> None:
-    """Remember on ``model`` what it was sharded with (``precision``: the strategy's precision plugin).
+def record_sharding(
+    model: nn.Module, requested: ShardingConfig, applied: ShardingConfig, precision: Any, mesh: DeviceMesh | None
+) -> None:
+    """Remember on ``model`` what it was sharded with (``precision``: the strategy's precision plugin) and on which
+    mesh.
 
     Example:
-        >>> record_sharding(model, requested, strategy.config, strategy.precision_plugin)  # doctest: +SKIP
+        >>> record_sharding(model, requested, strategy.config, strategy.precision_plugin, mesh)  # doctest: +SKIP
     """
-    setattr(model, _RECORD, ShardedWith(requested, applied, precision.precision, precision.reduce_dtype))
+    setattr(model, _RECORD, ShardedWith(requested, applied, precision.precision, precision.reduce_dtype, mesh))
+
+
+def sharded_mesh(model: nn.Module | None) -> DeviceMesh | None:
+    """The mesh ``model`` was sharded on, if the strategy sharded it: a later run computes on it rather than on a
+    mesh of its own, whose process groups (2-D meshes) would be created again for every run.
+
+    Example:
+        >>> sharded_mesh(nn.Linear(2, 2)) is None
+        True
+    """
+    record: ShardedWith | None = getattr(model, _RECORD, None)
+    return record.mesh if record is not None else None
 
 
 def check_same_sharding(model: nn.Module, config: ShardingConfig, precision: Any) -> ShardingConfig:

@@ -229,7 +229,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_process_group()
+        self._setup_process_group(self.lightning_module)
         if self.lightning_module is not None:
             # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.
             self.lightning_module._device_mesh = self._device_mesh

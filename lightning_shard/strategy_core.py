@@ -49,7 +49,7 @@ from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
-from lightning_shard.sharded_with import check_same_sharding, record_sharding
+from lightning_shard.sharded_with import check_same_sharding, record_sharding, sharded_mesh
 from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
 from lightning_shard.undo import UndoLog
 
@@ -179,8 +179,9 @@ class ShardedStrategyCore:
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    def _setup_process_group(self) -> None:
-        """Ranks, the process group (its backend from the device and the offload setting) and the device mesh."""
+    def _setup_process_group(self, model: nn.Module | None = None) -> None:
+        """Ranks, the process group (its backend from the device and the offload setting) and the device mesh: that
+        of ``model`` when an earlier run sharded it."""
         reset_seed()
         self._set_world_ranks()
         # "auto" may choose CPU offload after the process group exists.
@@ -202,7 +203,7 @@ class ShardedStrategyCore:
             # that nccl, or a second fit in the same process, does not queue the handler twice.
             atexit.unregister(_destroy_dist_connection)
             atexit.register(_destroy_dist_connection)
-        self._device_mesh = self._build_device_mesh()
+        self._device_mesh = sharded_mesh(model) or self._build_device_mesh()
 
     def _build_device_mesh(self) -> DeviceMesh:
         data_parallel = self.config.mesh_shape(self.world_size, self.num_processes)
@@ -241,7 +242,7 @@ class ShardedStrategyCore:
             device=self.root_device,
             forward_methods=[name for name in _STEP_METHODS if hasattr(module, name)],
         )
-        record_sharding(module, requested, self.config, precision)
+        record_sharding(module, requested, self.config, precision, self.device_mesh)
         rank_zero_info(
             f"{type(self).__name__}: {self.config.sharding_strategy} over mesh {tuple(self.device_mesh.shape)}, "
             f"{len(units)} FSDP units + root: {sorted({type(u).__name__.removeprefix('FSDP') for u in units})}"

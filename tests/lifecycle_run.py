@@ -126,6 +126,14 @@ def lifecycle(tmp: Path) -> dict[str, Any]:
     for stage in ("predict", "test", "validate", "fit", "predict"):
         run(f"{stage} on a fresh model", lambda stage=stage: getattr(evaluating, stage)(fresh, loader))
 
+    hybrid = trainer(ShardedStrategy(sharding_strategy="HYBRID_SHARD", hybrid_shard_size=1))
+    hybrid_model = EvaluatedToy()
+    hybrid.fit(hybrid_model, loader)  # its 2-D mesh's process groups live as long as the sharded model
+    objects = lightning_objects(hybrid)
+    hybrid.fit_loop.epoch_loop.max_steps = 4
+    run("fit again on a 2-D mesh", lambda: hybrid.fit(hybrid_model, loader))
+    run("validate on a 2-D mesh", lambda: hybrid.validate(hybrid_model, loader))
+
     other = trainer(ShardedStrategy(activation_checkpointing=[nn.Linear]), precision="bf16-mixed")
     objects = lightning_objects(other)
     run("a second Trainer with other settings", lambda: other.fit(model, loader))

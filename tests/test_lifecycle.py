@@ -112,7 +112,7 @@ def test_a_second_run_with_the_same_settings_built_again_is_not_a_conflict() -> 
 
     first = ShardingConfig(auto_wrap_policy=policy, activation_checkpointing=["Block"], sharding_strategy="auto")
     record_sharding(model, first, ShardingConfig(auto_wrap_policy=policy, sharding_strategy="SHARD_GRAD_OP"),
-                    ShardedPrecision("32-true"))  # fmt: skip
+                    ShardedPrecision("32-true"), None)  # fmt: skip
 
     def same_policy(module: nn.Module) -> bool:  # defined again: another function object, the same place and name
         return isinstance(module, nn.Linear)
