@@ -219,20 +219,17 @@ def images() -> DataLoader:
     return DataLoader(TensorDataset(x, torch.randint(0, 4, (32,), generator=generator)), batch_size=4)
 
 
+# 4 steps, then a validation of 2 batches; each rank its own samples.
+BATCHNORM_RUN = {"max_steps": 4, "val_check_interval": 4, "limit_val_batches": 2, "num_sanity_val_steps": 0,
+                 "use_distributed_sampler": True, "enable_checkpointing": False}  # fmt: skip
+
+
 def buffers_against_ddp(tmp: Path) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, strategy in (("ddp", "ddp"), ("sharded", ShardedStrategy())):
         L.seed_everything(0, verbose=False)
         model = ResNetLike()
-        run = trainer(
-            strategy,
-            max_steps=4,
-            val_check_interval=4,
-            limit_val_batches=2,
-            num_sanity_val_steps=0,
-            use_distributed_sampler=True,
-            enable_checkpointing=False,
-        )
+        run = trainer(strategy, **BATCHNORM_RUN)
         run.fit(model, images(), images())
         module = run.lightning_module
         weights = get_model_state_dict(module, options=FULL) if name == "sharded" else module.state_dict()
