@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
 
 from lightning_shard import ShardedStrategy  # noqa: E402
+from lightning_shard.buffers import broadcast_buffers  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy as FabricShardedStrategy  # noqa: E402
 
 # Lightning itself gives every callback the module's `log` and `log_dict` in each run.
@@ -267,6 +268,26 @@ def buffers_against_ddp(tmp: Path) -> dict[str, Any]:
     }
 
 
+def buffers_of_every_kind() -> dict[str, list]:
+    """``broadcast_buffers`` on bool, complex, non-contiguous bf16 and non-persistent int64 buffers holding each rank's
+    own values: every rank's afterwards (rank 0's values are 0 / True / 1+0j)."""
+    rank, module = dist.get_rank(), nn.Module()
+    module.register_buffer("flag", torch.tensor([rank == 0, True]))
+    module.register_buffer("phase", torch.tensor([1 + 2j * rank], dtype=torch.complex64))
+    module.register_buffer("bf16", torch.full((2, 3), float(rank), dtype=torch.bfloat16).t())
+    module.register_buffer("count", torch.tensor([rank]), persistent=False)
+    broadcast_buffers(module)
+    mine = [
+        module.flag.tolist(),
+        str(module.phase.tolist()),
+        module.bf16.float().abs().sum().item(),
+        module.count.tolist(),
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
 def sync_batchnorm() -> dict[str, Any]:
     """``Trainer(sync_batchnorm=True)``: the BatchNorm layers become ``SyncBatchNorm`` before sharding (which torch
     runs on GPUs only: on these CPU ranks the first forward raises torch's error)."""
@@ -285,6 +306,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         results = {"buffers": buffers_against_ddp(tmp / "b"), "sync_batchnorm": sync_batchnorm()}
+        results["buffers of every kind"] = buffers_of_every_kind()
         results["lifecycle"] = lifecycle(tmp / "l")
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(results), flush=True)

@@ -78,6 +78,11 @@ def test_buffers_are_rank_zeros_after_each_step_as_under_ddp(result: dict) -> No
     assert buffers["checkpoint buffers vs rank 0"] == 0.0
 
 
+def test_buffers_of_every_dtype_and_layout_are_broadcast(result: dict) -> None:
+    rank0 = [[True, True], "[(1+0j)]", 0.0, [0]]
+    assert result["buffers of every kind"]["ranks"] == [rank0, rank0]
+
+
 def test_sync_batchnorm_is_applied_not_ignored(result: dict) -> None:
     # torch's SyncBatchNorm computes on GPUs only: here the conversion is what can be checked (on 5f9ef12 the model
     # kept its BatchNorm2d layers and trained with per-rank statistics, without a word).
