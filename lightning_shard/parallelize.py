@@ -39,7 +39,6 @@ from lightning_shard.torch_compat import (
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
-    set_activation_memory_budget,
     visible_name,
 )
 from lightning_shard.wrap import plan_units
@@ -92,9 +91,7 @@ def parallelize_module(
     selective = config.activation_checkpointing == SELECTIVE
     context_fn = selective_context_fn(config.selective_checkpointing_ops) if selective else None
     wrappers = _apply_activation_checkpointing(model, checkpointed, context_fn)
-    if config.compile_kwargs is not None:
-        if config.activation_memory_budget is not None:
-            set_activation_memory_budget(config.activation_memory_budget)
+    if config.compile_kwargs is not None:  # under the run's `activation_memory_budget`, which the strategy sets
         _compile_units([wrappers.get(id(unit), unit) for unit in units], config.compile_kwargs)
 
     replicated = unshardable_parameters(model)

@@ -28,6 +28,7 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -43,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
+from lightning_shard.undo import UndoLog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -106,14 +108,25 @@ class StopVote:
         return self._outcome(self._in_flight.popleft()) if len(self._in_flight) > self.lag else (0, 0)
 
     def close(self) -> tuple[int, int]:
-        """Wait for every vote in flight (call on every rank); the element-wise maximum of their outcomes."""
+        """Wait for every vote in flight (call on every rank); the element-wise maximum of their outcomes. The vote's
+        process group goes: a group left behind lives until the process ends (one per vote opened)."""
         outcomes = [self._outcome(vote) for vote in self._in_flight]
         self._in_flight.clear()
+        self._release_group()
         return (max((o[0] for o in outcomes), default=0), max((o[1] for o in outcomes), default=0))
 
     def abandon(self) -> None:
-        """Forget the votes in flight without waiting: after an error, other ranks may never complete them."""
+        """Forget the votes in flight without waiting: after an error, other ranks may never complete them. Their
+        process group goes too unless a vote still waits in it for another rank (destroying it would wait as long)."""
+        waiting = any(work is not None and not work.is_completed() for _, work in self._in_flight)
         self._in_flight.clear()
+        if not waiting:
+            self._release_group()
+
+    def _release_group(self) -> None:
+        if self._group is not None:
+            dist.destroy_process_group(self._group)  # local: no other rank takes part
+            self._group = None
 
     @staticmethod
     def _outcome(vote: tuple[torch.Tensor, dist.Work | None]) -> tuple[int, int]:
@@ -369,32 +382,39 @@ class StrategyPreemptionCheckpoint(PreemptionCheckpoint):
         return str(Path(trainer.default_root_dir) / f"epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt")
 
 
-def add_strategy_preemption(trainer: pl.Trainer) -> None:
-    """Give ``trainer`` a :class:`StrategyPreemptionCheckpoint` unless it has a :class:`PreemptionCheckpoint` (the
-    user's, whose settings win, or one added to an earlier fit).
+def add_strategy_preemption(trainer: pl.Trainer, undo_log: UndoLog) -> None:
+    """Give ``trainer`` a :class:`StrategyPreemptionCheckpoint` for this run (``undo_log`` takes it out again) unless it
+    has a :class:`PreemptionCheckpoint` (the user's, whose settings win).
 
     Example:
-        >>> add_strategy_preemption(trainer)  # doctest: +SKIP
+        >>> add_strategy_preemption(trainer, trainer.strategy.undo_log)  # doctest: +SKIP
     """
     if not any(isinstance(callback, PreemptionCheckpoint) for callback in trainer.callbacks):
-        trainer.callbacks.append(StrategyPreemptionCheckpoint())
+        added = StrategyPreemptionCheckpoint()
+        trainer.callbacks.append(added)
+        undo_log.add("Trainer.callbacks", partial(trainer.callbacks.remove, added))
 
 
 def _install_after_lightnings_handlers(trainer: pl.Trainer, requests: StopRequests) -> None:
     """Install ``requests``' handlers right after Lightning registers its own in this fit, in place of Lightning's for
     these signals: its SLURM handler saves a checkpoint and broadcasts inside the handler, its SIGTERM handler
     broadcasts there too - collectives that deadlock when the signal reaches the ranks at different moments. Lightning
-    restores the handlers it found when the fit ends."""
+    restores the handlers it found when the fit ends.
+
+    The hook is an attribute of the Trainer's signal connector for this fit only: it removes itself when Lightning
+    registers its handlers, and the strategy's teardown removes it where the fit ended before that (a wrong
+    ``ckpt_path``). It calls the connector's class method, never an earlier hook left in place."""
     connector = trainer._signal_connector
-    register = connector.register_signal_handlers
 
     def register_then_install() -> None:
-        del connector.register_signal_handlers  # this fit only: Lightning's own method again from now on
-        register()
+        vars(connector).pop("register_signal_handlers", None)  # this fit only: Lightning's own method from now on
+        type(connector).register_signal_handlers(connector)
         if trainer.state.fn == TrainerFn.FITTING:
             requests.install(_cluster_environment(trainer))
 
-    connector.register_signal_handlers = register_then_install
+    # Under another strategy (no undo log) the hook stays until the next fit replaces it or registers.
+    undo_log = getattr(trainer.strategy, "undo_log", None) or UndoLog()
+    undo_log.set_attribute(connector, "register_signal_handlers", register_then_install)
 
 
 def _step_metrics(trainer: pl.Trainer) -> dict[str, torch.Tensor]:

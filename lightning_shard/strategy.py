@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning
@@ -60,6 +61,7 @@ from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.tensor_parallel import TensorParallelPlan
 from lightning_shard.tensor_parallel.loss import local_outputs, uses_loss_parallel
+from lightning_shard.undo import UndoLog
 from lightning_shard.wrap import WrapPolicy
 
 if TYPE_CHECKING:
@@ -227,7 +229,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_process_group()
+        self._setup_process_group(self.lightning_module)
         if self.lightning_module is not None:
             # Lets `configure_model()` see the mesh, as under Lightning's ModelParallelStrategy.
             self.lightning_module._device_mesh = self._device_mesh
@@ -235,6 +237,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 # Before the callbacks' `setup`, where Lightning's WeightAveraging would deep-copy the whole model.
                 callbacks = self.lightning_module.trainer.callbacks
                 shard_weight_averaging(callbacks)
+                # The same instances can go to another Trainer (or be pickled) as the classes the user made.
+                self.undo_log.add("weight-averaging callback classes", partial(restore_weight_averaging, callbacks))
                 self._weight_averaging = averaged_copy_place(callbacks)
 
     def set_world_ranks(self) -> None:
@@ -246,7 +250,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         if self._preemption:  # before the callbacks' `setup`, which arms the handlers
-            add_strategy_preemption(model.trainer)
+            add_strategy_preemption(model.trainer, self.undo_log)
 
     @contextmanager
     @override
@@ -269,13 +273,18 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _evaluate_without_inference_mode(trainer)
-        link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io)
+        _evaluate_without_inference_mode(trainer, self.undo_log)
+        link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io, self.undo_log)
         if not is_parallelized(self.model):
+            if self._layer_sync is not None:  # `Trainer(sync_batchnorm=True)`: statistics over all ranks' batches
+                self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh
             self.lightning_module._device_mesh = self._device_mesh
+        else:
+            self._keep_sharding(self.model, self.precision_plugin)
+        self._apply_run_settings()
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -430,23 +439,25 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     def teardown(self) -> None:
         # Unlike the base Strategy, leave the sharded model where it is: moving it to the CPU would gather nothing
         # useful, and after an exception mid-step FSDP's state cannot be moved at all.
-        self.checkpoint_io.teardown()
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            restore_weight_averaging(self.lightning_module.trainer.callbacks)  # changed in `setup_environment`
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        # Lightning calls it after every run, finished or failed: what the run changed outside the model goes back.
+        try:
+            self.checkpoint_io.teardown()
+            assert self.cluster_environment is not None
+            assert self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+        finally:
+            self.undo_log.undo()
 
 
 def _unwrapped(optimizer: Optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _evaluate_without_inference_mode(trainer: pl.Trainer) -> None:
+def _evaluate_without_inference_mode(trainer: pl.Trainer, undo_log: UndoLog) -> None:
     """Evaluate under ``no_grad`` instead of ``inference_mode``: tensors FSDP all-gathers inside inference mode
     become inference tensors, which a later training step cannot use (pytorch/pytorch#95957); Lightning makes
     the same exception for its own FSDPStrategy."""
     for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-        loop.inference_mode = False
+        undo_log.set_attribute(loop, "inference_mode", False)

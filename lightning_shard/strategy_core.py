@@ -15,6 +15,7 @@ import atexit
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 
 from lightning_shard.activation_checkpointing import SELECTIVE
+from lightning_shard.buffers import broadcast_buffers
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.config import DATA_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import collective_device, process_group_backend_for
@@ -47,7 +49,9 @@ from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
-from lightning_shard.torch_compat import flatten_mesh_dims
+from lightning_shard.sharded_with import check_same_sharding, record_sharding, sharded_mesh
+from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
+from lightning_shard.undo import UndoLog
 
 TBroadcast = TypeVar("TBroadcast")
 TPrecision = TypeVar("TPrecision", bound=PrecisionPolicy)
@@ -92,6 +96,8 @@ class ShardedStrategyCore:
         # Where a weight-averaging copy will be kept ("device" / "cpu"), for "auto" sharding's estimate.
         self._weight_averaging: str | None = None
         self._heap_trimmer = _heap_trimmer(settings.config.cpu_collectives)
+        # What a run changes outside the model, undone by `teardown` after every run, finished or failed.
+        self.undo_log = UndoLog()
         if not settings.async_save:
             return checkpoint_io
         if checkpoint_io is not None:
@@ -173,8 +179,9 @@ class ShardedStrategyCore:
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    def _setup_process_group(self) -> None:
-        """Ranks, the process group (its backend from the device and the offload setting) and the device mesh."""
+    def _setup_process_group(self, model: nn.Module | None = None) -> None:
+        """Ranks, the process group (its backend from the device and the offload setting) and the device mesh: that
+        of ``model`` when an earlier run sharded it."""
         reset_seed()
         self._set_world_ranks()
         # "auto" may choose CPU offload after the process group exists.
@@ -196,7 +203,7 @@ class ShardedStrategyCore:
             # that nccl, or a second fit in the same process, does not queue the handler twice.
             atexit.unregister(_destroy_dist_connection)
             atexit.register(_destroy_dist_connection)
-        self._device_mesh = self._build_device_mesh()
+        self._device_mesh = sharded_mesh(model) or self._build_device_mesh()
 
     def _build_device_mesh(self) -> DeviceMesh:
         data_parallel = self.config.mesh_shape(self.world_size, self.num_processes)
@@ -222,7 +229,8 @@ class ShardedStrategyCore:
 
     def _shard_module(self, module: nn.Module, precision: PrecisionPolicy, accumulate_grad_batches: int) -> None:
         """Checkpoint, compile, shard and materialise ``module`` in place (already converted to ``precision``'s
-        parameter dtype)."""
+        parameter dtype), recording the settings on it."""
+        requested = self.config
         if self.config.sharding_strategy == "auto":
             self._choose_sharding(module, precision, accumulate_grad_batches)
         units = parallelize_module(
@@ -234,10 +242,26 @@ class ShardedStrategyCore:
             device=self.root_device,
             forward_methods=[name for name in _STEP_METHODS if hasattr(module, name)],
         )
+        record_sharding(module, requested, self.config, precision, self.device_mesh)
         rank_zero_info(
             f"{type(self).__name__}: {self.config.sharding_strategy} over mesh {tuple(self.device_mesh.shape)}, "
             f"{len(units)} FSDP units + root: {sorted({type(u).__name__.removeprefix('FSDP') for u in units})}"
         )
+
+    def _keep_sharding(self, module: nn.Module, precision: Any) -> None:
+        """A model sharded by an earlier run (a second ``fit``, another Trainer or Fabric): go on with its sharding
+        if this run's settings are the ones it was sharded with, else stop before any work (see
+        :mod:`lightning_shard.sharded_with`)."""
+        self.config = check_same_sharding(module, self.config, precision)
+
+    def _apply_run_settings(self) -> None:
+        """The process-wide settings of this run, undone at teardown: they must not govern the next run."""
+        budget = self.config.activation_memory_budget
+        if self.config.compile_kwargs is not None and budget is not None:
+            self.undo_log.add(
+                "activation_memory_budget", partial(set_activation_memory_budget, activation_memory_budget())
+            )
+            set_activation_memory_budget(budget)
 
     def _choose_sharding(self, module: nn.Module, precision: PrecisionPolicy, accumulate_grad_batches: int) -> None:
         checkpointed = self.config.activation_checkpointing
@@ -305,6 +329,7 @@ class ShardedStrategyCore:
             if model is not None:
                 # A call made between backward and the step (a callback) left gathered copies of the old values.
                 drop_gathered_parameters(model)
+                broadcast_buffers(model)  # rank 0's, as DDP: see lightning_shard.buffers
         if self._heap_trimmer is not None and self.root_device.type == "cpu":
             # The step's transient buffers are free now; without a trim now and then the CPU heap's peak creeps up.
             self._heap_trimmer.step()

@@ -357,6 +357,18 @@ def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> None:
     mesh[dims]._flatten(name)
 
 
+def activation_memory_budget() -> float:
+    """The current ``torch._functorch.config.activation_memory_budget`` (see :func:`set_activation_memory_budget`).
+
+    Example:
+        >>> 0.0 <= activation_memory_budget() <= 1.0
+        True
+    """
+    import torch._functorch.config
+
+    return torch._functorch.config.activation_memory_budget
+
+
 def set_activation_memory_budget(budget: float) -> None:
     """``torch._functorch.config.activation_memory_budget``: the fraction of activations torch.compile's min-cut
     partitioner keeps for backward (1.0, its default: all it can; less: it recomputes the cheapest to recompute).

@@ -260,10 +260,15 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        self.wait()
-        if self._stager is not None:
-            self._stager.close()  # frees the kept staging buffers
-            self._stager = None
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()  # frees the kept staging buffers
+                self._stager = None
+            if self._async_group is not None:  # nothing in flight uses it now; the next run makes its own
+                dist.destroy_process_group(self._async_group)
+                self._async_group = None
 
     # ------------------------------------------------------------------ load
 

@@ -22,22 +22,25 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard.checkpoint.io import ShardedCheckpointIO
 from lightning_shard.checkpoint.publish import restore_interrupted_in
+from lightning_shard.undo import UndoLog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-def link_when_published(callbacks: Iterable[Any], io: ShardedCheckpointIO) -> None:
-    """Make the ``ModelCheckpoint`` among ``callbacks`` link ``last`` through ``io`` (see module docstring).
+def link_when_published(callbacks: Iterable[Any], io: ShardedCheckpointIO, undo_log: UndoLog) -> None:
+    """Make the ``ModelCheckpoint`` among ``callbacks`` link ``last`` through ``io`` (see module docstring) for this
+    run: ``undo_log`` takes the change back, so that the callback handed to another Trainer links as Lightning does.
 
     Example:
-        >>> link_when_published(trainer.checkpoint_callbacks, trainer.strategy.checkpoint_io)  # doctest: +SKIP
+        >>> link_when_published(trainer.checkpoint_callbacks, trainer.strategy.checkpoint_io,
+        ...                     trainer.strategy.undo_log)  # doctest: +SKIP
     """
     for callback in callbacks:
         if isinstance(callback, ModelCheckpoint):
             # ModelCheckpoint calls `self._link_checkpoint(trainer, filepath, linkpath)`, a staticmethod: the
             # instance's attribute takes its place.
-            callback._link_checkpoint = functools.partial(_link, io)  # type: ignore[method-assign]
+            undo_log.set_attribute(callback, "_link_checkpoint", functools.partial(_link, io))
 
 
 def _link(io: ShardedCheckpointIO, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:

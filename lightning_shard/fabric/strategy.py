@@ -179,6 +179,9 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
             accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
             self._shard_module(module, self.precision, accumulate)
+        else:
+            self._keep_sharding(module, self.precision)
+        self._apply_run_settings()
         self._sharded_models.add(module)
         place_unmanaged_state(module, self.root_device)
         return module
@@ -220,6 +223,15 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         parameters = self.precision.main_params(optimizer)
         return clip_grad_norm(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    @override
+    def teardown(self) -> None:
+        """Fabric calls no teardown of its own: call ``fabric.strategy.teardown()`` to undo what the setup changed
+        outside the model (``activation_memory_budget``) before another Fabric or Trainer uses the process."""
+        try:
+            super().teardown()
+        finally:
+            self.undo_log.undo()
 
     # ------------------------------------------------------------------ checkpoints
 
