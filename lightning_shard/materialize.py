@@ -49,11 +49,11 @@ from lightning_shard.construction import (
     forget_construction,
     record_construction,
 )
+from lightning_shard.init_skip import defer_check, initialize_or_defer, restricted_needs
 from lightning_shard.replay import (
     Overwrite,
     Replay,
     callers_random_state_kept,
-    needed_ops,
     rng_timeline,
     strided,
     write_shards,
@@ -184,9 +184,25 @@ def materialize_sharded_module(
     for module in root.modules():
         if isinstance(module, FSDPModule):
             reregister_sharded_parameters(module)
+    # A checkpoint load follows (the Trainer's restore) or may (Fabric's): what it writes is not replayed.
+    initialize_or_defer(root, partial(_initialize, root, plan, logs, allocated))
+
+
+def _initialize(
+    root: nn.Module,
+    plan: _InitPlan,
+    logs: list[ConstructionLog],
+    allocated: list[tuple[str, nn.Module, str, str]],
+    loaded: set[HolderKey],
+) -> None:
+    """Replay what the tensors not ``loaded`` need, check them, and leave the check of the others to the load."""
+    plan.leave_to_load(loaded)
     with torch.no_grad(), callers_random_state_kept(), uninitialized_memory_filled():
         plan.run(rng_timeline(logs))
-    _refuse_unwritten(allocated)
+    left_to_load = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) in loaded]
+    _refuse_unwritten([entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) not in loaded])
+    if left_to_load:
+        defer_check(root, partial(_refuse_unwritten, left_to_load, by_load=True))
     forget_construction(root)
 
 
@@ -220,7 +236,7 @@ def _joined(prefix: str, name: str) -> str:
     return visible_name(".".join(filter(None, [prefix, name])))
 
 
-def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]]) -> None:
+def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]], by_load: bool = False) -> None:
     """The safety net (:mod:`lightning_shard.unset`): a tensor still holding the sentinel was written by nothing.
     Every rank checks its shards, then all raise the same error. Fake tensors (the memory simulation) have no values to
     check."""
@@ -232,6 +248,12 @@ def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]]) -> None:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, unset)
         unset = [name for name, _ in tensors if any(name in names for names in gathered)]
+    if unset and by_load:
+        raise RuntimeError(
+            f"The checkpoint loaded after setup holds {_shown(unset)}, so materialisation left them to it, but the "
+            "load did not write them: they would hold uninitialised memory. Check that the checkpoint's tensors load "
+            "into this model (names, `strict_loading`), or load it after `fit` has set the model up."
+        )
     if unset:
         raise RuntimeError(
             f"The model was built on the meta device, but nothing its construction did wrote {_shown(unset)}, so they "
@@ -311,13 +333,23 @@ class _InitPlan:
                 self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
             else:
                 unlogged.setdefault(id(module), []).append(key)
+        self.unlogged = unlogged
         self.fallback = self._fallback_modules(unlogged)
         for key in itertools.chain(*unlogged.values()):
             if key in self.held:
                 holder.setdefault(self.held[key].storage, (key, self.held[key]))
-        self.needed, before = needed_ops(self.ops, set(self.keys_by_storage), self._draws)
+        self.leave_to_load(set())
         self.external = holder
-        self._refuse_unknown_sources(before - holder.keys())
+        self._refuse_unknown_sources(self.scope.before - holder.keys())
+
+    def leave_to_load(self, loaded: set[HolderKey]) -> None:
+        """Replay only what the tensors not ``loaded`` need: a storage that the load writes whole (every tensor
+        holding it) is no target (:mod:`lightning_shard.init_skip`)."""
+        targets = {s for s, keys in self.keys_by_storage.items() if not set(keys) <= loaded}
+        self.scope, self.draws = restricted_needs(self.ops, targets, self._draws)
+        self.needed = self.scope.needed
+        if self.scope.stream_until == -math.inf:  # no needed draw: the stream's position does not matter
+            self.fallback = [m for m in self.fallback if not set(self.unlogged[id(m)]) <= loaded]
 
     def _library_init(
         self,
@@ -407,10 +439,10 @@ class _InitPlan:
             self.needed,
             write_back={s: partial(self._write_back, s) for s in self.keys_by_storage},
             external={s: partial(self._read_external, *holding) for s, holding in self.external.items()},
-            draws=self._draws,
+            draws=self.draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
         )
-        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops]
+        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops if self.scope.runs(op)]
         items += [((position, -1, index), action) for index, (position, action) in enumerate(rng)]
         items += [((-math.inf, self.order[id(module)], 0), module) for module in self.fallback]
         for _, item in sorted(items, key=lambda entry: entry[0]):

@@ -51,6 +51,7 @@ from lightning_shard.hf.frozen_weights import (
     frozen_pretrained_weights,
     names_to_skip_on_resume,
 )
+from lightning_shard.init_skip import check_after_load, loaded_after_setup, trainer_checkpoint_names
 from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.parallelize import is_parallelized
@@ -273,7 +274,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         link_when_published(trainer.checkpoint_callbacks, self.checkpoint_io)
         if not is_parallelized(self.model):
             self.model = self.precision_plugin.convert_module(self.model)
-            self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
+            # the checkpoint Lightning restores next writes these tensors: materialisation leaves them to it
+            averaging = self._weight_averaging is not None and trainer.state.fn == TrainerFn.FITTING
+            with loaded_after_setup(trainer_checkpoint_names(trainer, averaging)):
+                self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh
             self.lightning_module._device_mesh = self._device_mesh
         self.model_to_device()
@@ -401,6 +405,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             absent=names_to_skip_on_resume(path, self.model),
             averaged=averaged,
         )
+        check_after_load(self.model)  # the tensors materialisation left to this load: written now?
         for copy in [] if fitting else averaged.values():
             copy.copy_to(self.lightning_module)
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
