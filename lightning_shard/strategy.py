@@ -45,6 +45,7 @@ from lightning_shard.checkpoint.model_checkpoint import link_when_published
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
+from lightning_shard.fused_optimizer import use_fused_kernels
 from lightning_shard.hf.frozen_weights import (
     RECORD_KEY,
     checkpoint_record,
@@ -285,6 +286,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_optimizers_are_elementwise([_unwrapped(optimizer) for optimizer in self.optimizers])
+            use_fused_kernels([_unwrapped(optimizer) for optimizer in self.optimizers])
         self.precision_plugin.use_device(self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

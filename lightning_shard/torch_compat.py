@@ -368,3 +368,15 @@ def set_activation_memory_budget(budget: float) -> None:
     import torch._functorch.config
 
     torch._functorch.config.activation_memory_budget = budget
+
+
+def fused_kernel_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels (``fused=True``) run on (``torch.utils._foreach_utils``).
+
+    Example:
+        >>> "cpu" in fused_kernel_devices()
+        True
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()

@@ -13,6 +13,8 @@ Scenarios (results in ``DIR/result.pt`` on rank 0):
   replayed, and it equals the eager build's head.
 * ``unwritten``: a load that leaves a tensor unwritten (simulated): the check after the load names it.
 * ``fabric`` / ``fabric_resume``: the same with Fabric: ``fabric.load`` right after ``fabric.setup``.
+
+Every scenario also records whether the user's ``AdamW(params, lr=...)`` steps fused (``fused_optimizer``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def fit(out: Path, steps: int, ckpt_path: Any = None, new_head: bool = False, **
     model = Net(new_head=new_head)
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH), ckpt_path=ckpt_path)
     result = {"weights": get_model_state_dict(model, options=FULL), **COUNTS}
+    result["fused"] = trainer.optimizers[0].param_groups[0]["fused"]  # the user wrote `AdamW(params, lr=0.01)`
     if new_head:
         result["head"] = head.weight
     return result
@@ -196,7 +199,8 @@ def fabric_run(fabric: L.Fabric, checkpoint: Path, resume: bool) -> dict[str, An
         state["step"] = step + 1
         if state["step"] == SAVE_AT and not resume:
             fabric.save(checkpoint, state)
-    return {"weights": get_model_state_dict(model, options=FULL), **COUNTS}
+    fused = optimizer.param_groups[0]["fused"]
+    return {"weights": get_model_state_dict(model, options=FULL), "fused": fused, **COUNTS}
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
+from lightning_shard.fused_optimizer import use_fused_kernels
 from lightning_shard.init_skip import (
     check_after_load,
     checkpoint_model_names,
@@ -202,6 +203,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "parameters, or set both up together: `fabric.setup(model, optimizer)`."
             )
         self._check_optimizers_are_elementwise([optimizer])
+        use_fused_kernels([optimizer])
         return optimizer
 
     @override
