@@ -197,10 +197,15 @@ def initialize_or_defer(root: nn.Module, initialize: Callable[[set[HolderKey]], 
         initialize(keys_of(root, _LOADED_AFTER_SETUP.get()))
         return
     hooks = [
-        root.register_forward_pre_hook(lambda module, args: initialize_deferred(module), prepend=True),
+        root.register_forward_pre_hook(_initialize_at_forward, prepend=True),
         root.register_state_dict_pre_hook(lambda module, prefix, keep_vars: initialize_deferred(module)),
     ]
     root.__dict__[_DEFERRED] = (initialize, hooks)
+
+
+@torch.compiler.disable  # not traced into a user's `torch.compile(model)`: it runs once, before the first forward
+def _initialize_at_forward(module: nn.Module, args: Any) -> None:
+    initialize_deferred(module)
 
 
 def initialize_deferred(root: nn.Module, loaded: frozenset[str] = frozenset()) -> None:
