@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +82,8 @@ def selected_checkpoint(trainer: pl.Trainer) -> Any:
     """The checkpoint path Lightning selected for the current run (``None``: none, or not known).
 
     Example:
-        >>> selected_checkpoint(object())
+        >>> selected_checkpoint(trainer)  # doctest: +SKIP
+        'ckpts/last.ckpt'
     """
     return _SELECTED.get(trainer)
 
@@ -136,19 +137,23 @@ def _names_here(path: Path, averaged: bool, raw: bool) -> frozenset[str]:
     return frozenset(names)
 
 
-@contextmanager
-def loaded_after_setup(names: frozenset[str]) -> Iterator[None]:
+def loaded_after_setup(names: frozenset[str]) -> AbstractContextManager[None]:
     """Inside, materialisation leaves the model tensors named ``names`` (state-dict names) to a load that follows.
 
     Example:
         >>> with loaded_after_setup(frozenset({"weight"})):  # doctest: +SKIP
         ...     strategy._shard_module(model, precision, 1)
     """
-    token = _LOADED_AFTER_SETUP.set(names)
+    return _set_inside(_LOADED_AFTER_SETUP, names)
+
+
+@contextmanager
+def _set_inside(variable: ContextVar[Any], value: Any) -> Iterator[None]:
+    token = variable.set(value)
     try:
         yield
     finally:
-        _LOADED_AFTER_SETUP.reset(token)
+        variable.reset(token)
 
 
 def keys_of(root: nn.Module, names: frozenset[str]) -> set[HolderKey]:
@@ -169,8 +174,7 @@ def keys_of(root: nn.Module, names: frozenset[str]) -> set[HolderKey]:
     }
 
 
-@contextmanager
-def initialization_deferred() -> Iterator[None]:
+def initialization_deferred() -> AbstractContextManager[None]:
     """Inside, materialisation allocates and plans, and leaves the values to :func:`initialize_deferred` (Fabric's
     ``setup``: a ``fabric.load`` may follow).
 
@@ -178,11 +182,7 @@ def initialization_deferred() -> Iterator[None]:
         >>> with initialization_deferred():  # doctest: +SKIP
         ...     strategy._shard_module(model, precision, 1)
     """
-    token = _DEFER.set(True)
-    try:
-        yield
-    finally:
-        _DEFER.reset(token)
+    return _set_inside(_DEFER, True)
 
 
 def initialize_or_defer(root: nn.Module, initialize: Callable[[set[HolderKey]], None]) -> None:
