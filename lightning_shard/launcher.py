@@ -1,5 +1,6 @@
 """Lightning's launchers for the sharded strategy: the spawn/fork one taught to hand sharded weights back to the main
-process, and both putting back interrupted checkpoints before Lightning looks for one to resume from."""
+process, and both putting back interrupted checkpoints before Lightning looks for one to resume from, and noting the
+one it selects (for the strategy's setup, :mod:`lightning_shard.init_skip`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from typing_extensions import override
 
 from lightning_shard.checkpoint.model_checkpoint import restore_checkpoint_folders
+from lightning_shard.init_skip import resume_path_noted
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,6 +43,13 @@ class ShardedScriptLauncher(_RestoresCheckpointFolders, _SubprocessScriptLaunche
         >>> strategy = ShardedStrategy()  # uses this launcher
     """
 
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        if trainer is None:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        with resume_path_noted(trainer):  # the strategy's setup learns which checkpoint is restored after it
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
 
 class ShardedMultiProcessingLauncher(_RestoresCheckpointFolders, _MultiProcessingLauncher):
     """``start_method="spawn"`` / ``"fork"`` / ``"forkserver"`` for the sharded strategy.
@@ -53,6 +62,14 @@ class ShardedMultiProcessingLauncher(_RestoresCheckpointFolders, _MultiProcessin
         >>> from lightning_shard import ShardedStrategy
         >>> strategy = ShardedStrategy(start_method="spawn")  # uses this launcher
     """
+
+    @override
+    def _wrapping_function(self, process_idx: int, trainer: pl.Trainer | None, *args: Any, **kwargs: Any) -> None:
+        # in the worker: what the strategy's setup learns from (a wrapper made in the main process would not pickle)
+        if trainer is None:
+            return super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        with resume_path_noted(trainer):
+            return super()._wrapping_function(process_idx, trainer, *args, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:

@@ -48,19 +48,19 @@ from lightning_shard.construction import (
     construction_logs,
     forget_construction,
 )
+from lightning_shard.init_skip import defer_check, initialize_or_defer, restricted_needs
 from lightning_shard.meta_window import end_meta_window, meta_window
 from lightning_shard.replay import (
     Overwrite,
     Replay,
     callers_random_state_kept,
-    needed_ops,
     rng_timeline,
     strided,
     write_shards,
 )
 from lightning_shard.skipped_draws import SKIPPED
 from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
-from lightning_shard.unset import fill_unset, holds_unset, uninitialized_memory_filled
+from lightning_shard.unset import fill_unset, holds_only_unset, holds_unset, uninitialized_memory_filled
 
 _CPU = torch.device("cpu")
 
@@ -183,11 +183,53 @@ def materialize_sharded_module(
     for module in root.modules():
         if isinstance(module, FSDPModule):
             reregister_sharded_parameters(module)
+    # The caller's stream as the eager build leaves it, now (not when a deferred replay runs: draws made after setup
+    # must see it), also when a load makes the replay unnecessary.
+    SKIPPED.pay(skip=plan.undrawn())
+    # A checkpoint load follows (the Trainer's restore) or may (Fabric's): what it writes is not replayed.
+    initialize_or_defer(root, partial(_initialize, root, plan, logs, allocated))
+
+
+def _initialize(
+    root: nn.Module,
+    plan: _InitPlan,
+    logs: list[ConstructionLog],
+    allocated: list[tuple[str, nn.Module, str, str]],
+    loaded: set[HolderKey],
+    deferred: bool = False,
+) -> None:
+    """Replay what the tensors not ``loaded`` need, check them, and leave the check of the others to the load.
+    ``deferred``: setup is over (Fabric's first use), so a tensor the user wrote since would be overwritten."""
+    unloaded = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) not in loaded]
+    if deferred:
+        _refuse_written_since_setup(unloaded)
+    plan.leave_to_load(loaded)
     with torch.no_grad(), callers_random_state_kept(), uninitialized_memory_filled():
         plan.run(rng_timeline(logs))
-    SKIPPED.pay(skip=plan.undrawn())  # this rank's stream, as the eager build leaves it
-    _refuse_unwritten(allocated, plan.replayed)
+    left_to_load = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) in loaded]
+    _refuse_unwritten(unloaded, plan.replayed)
+    if left_to_load:
+        defer_check(root, partial(_refuse_unwritten, left_to_load, {}, by_load=True))
     forget_construction(root)
+
+
+def _refuse_written_since_setup(allocated: list[tuple[str, nn.Module, str, str]]) -> None:
+    """Under Fabric the values wait for the model's first use (:mod:`lightning_shard.init_skip`): a tensor written
+    between setup and then would be overwritten by the replay, silently. Every rank checks its shards."""
+    written = [
+        name for name, module, table, key in allocated if not holds_only_unset(_local(module.__dict__[table][key]))
+    ]
+    if _distributed_is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, written)
+        written = sorted({name for names in gathered for name in names})
+    if written:
+        raise RuntimeError(
+            f"{_shown(written)} were written after `fabric.setup` but before the model's first forward, save or load, "
+            "when its initial values are computed (so that a `fabric.load` right after setup computes none): they "
+            "would be overwritten. Initialise them before `fabric.setup` (their writes are then replayed exactly), "
+            "or after the first forward."
+        )
 
 
 def _allocate_meta_tensors(
@@ -220,7 +262,9 @@ def _joined(prefix: str, name: str) -> str:
     return visible_name(".".join(filter(None, [prefix, name])))
 
 
-def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]], replayed: dict[int, bool]) -> None:
+def _refuse_unwritten(
+    allocated: list[tuple[str, nn.Module, str, str]], replayed: dict[int, bool], by_load: bool = False
+) -> None:
     """The safety net (:mod:`lightning_shard.unset`): a tensor the replay found depending on unwritten memory
     (``replayed``: id of each live tensor it wrote -> whether every element was written), or one that something else
     initialised and that still holds the sentinel, was written by nothing. Every rank checks its shards, then all raise
@@ -234,6 +278,12 @@ def _refuse_unwritten(allocated: list[tuple[str, nn.Module, str, str]], replayed
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, unset)
         unset = [name for name, _, _ in tensors if any(name in names for names in gathered)]
+    if unset and by_load:
+        raise RuntimeError(
+            f"The checkpoint loaded after setup holds {_shown(unset)}, so materialisation left them to it, but the "
+            "load did not write them: they would hold uninitialised memory. Check that the checkpoint's tensors load "
+            "into this model (names, `strict_loading`), or load it after `fit` has set the model up."
+        )
     if unset:
         raise RuntimeError(
             f"The model was built on the meta device, but nothing its construction did wrote {_shown(unset)}, so they "
@@ -312,13 +362,23 @@ class _InitPlan:
                 self.keys_by_storage.setdefault(self.held[key].storage, []).append(key)
             else:
                 unlogged.setdefault(id(module), []).append(key)
+        self.unlogged = unlogged
         self.fallback = self._fallback_modules(unlogged)
         for key in itertools.chain(*unlogged.values()):
             if key in self.held:
                 holder.setdefault(self.held[key].storage, (key, self.held[key]))
-        self.needed, before = needed_ops(self.ops, set(self.keys_by_storage), self._draws)
+        self.leave_to_load(set())
         self.external = holder
-        self._refuse_unknown_sources(before - holder.keys())
+        self._refuse_unknown_sources(self.scope.before - holder.keys())
+
+    def leave_to_load(self, loaded: set[HolderKey]) -> None:
+        """Replay only what the tensors not ``loaded`` need: a storage that the load writes whole (every tensor
+        holding it) is no target (:mod:`lightning_shard.init_skip`)."""
+        targets = {s for s, keys in self.keys_by_storage.items() if not set(keys) <= loaded}
+        self.scope, self.draws = restricted_needs(self.ops, targets, self._draws)
+        self.needed = self.scope.needed
+        if self.scope.stream_until == -math.inf:  # no needed draw: the stream's position does not matter
+            self.fallback = [m for m in self.fallback if not set(self.unlogged[id(m)]) <= loaded]
 
     def _library_init(
         self,
@@ -403,10 +463,10 @@ class _InitPlan:
             self.needed,
             write_back={s: partial(self._write_back, s) for s in self.keys_by_storage},
             external={s: partial(self._read_external, *holding) for s, holding in self.external.items()},
-            draws=self._draws,
+            draws=self.draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
         )
-        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops]
+        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops if self.scope.runs(op)]
         items += [((position, -1, index), action) for index, (position, action) in enumerate(rng)]
         items += [((-math.inf, self.order[id(module)], 0), module) for module in self.fallback]
         for _, item in sorted(items, key=lambda entry: entry[0]):

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_shard.construction import ConstructionLog, Op, RngEvent, Scratch, TensorRef, state_bytes
 from lightning_shard.recorded_inputs import GeneratorAt, RealValue
+from lightning_shard.shard_init import host_shard
 from lightning_shard.torch_compat import tree_leaves, tree_map
 from lightning_shard.unset import allocates_unwritten, empty_bytes, fill_twice
 
@@ -260,8 +261,7 @@ def write_shards(full: torch.Tensor, live: torch.Tensor) -> None:
     """
     full = full.to(live.dtype)
     if isinstance(live, DTensor):
-        shard = distribute_tensor(full, live.device_mesh, live.placements, src_data_rank=None)
-        live.to_local().copy_(shard.to_local())
+        live.to_local().copy_(host_shard(full, live))  # only the shard crosses to the device (shard_init)
     else:
         live.copy_(full)
 

@@ -46,12 +46,14 @@ from lightning_shard.checkpoint.model_checkpoint import link_when_published
 from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.direct_calls import drop_gathered_parameters
+from lightning_shard.fused_optimizer import use_fused_kernels
 from lightning_shard.hf.frozen_weights import (
     RECORD_KEY,
     checkpoint_record,
     frozen_pretrained_weights,
     names_to_skip_on_resume,
 )
+from lightning_shard.init_skip import check_after_load, loaded_after_setup, trainer_checkpoint_names
 from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.materialize import meta_construction
 from lightning_shard.parallelize import is_parallelized
@@ -279,7 +281,10 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             if self._layer_sync is not None:  # `Trainer(sync_batchnorm=True)`: statistics over all ranks' batches
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
-            self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
+            # the checkpoint Lightning restores next writes these tensors: materialisation leaves them to it
+            averaging = self._weight_averaging is not None and trainer.state.fn == TrainerFn.FITTING
+            with loaded_after_setup(trainer_checkpoint_names(trainer, averaging)):
+                self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh
             self.lightning_module._device_mesh = self._device_mesh
         else:
@@ -290,6 +295,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._check_optimizers_are_elementwise([_unwrapped(optimizer) for optimizer in self.optimizers])
+            use_fused_kernels([_unwrapped(optimizer) for optimizer in self.optimizers])
         self.precision_plugin.use_device(self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -410,6 +416,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             absent=names_to_skip_on_resume(path, self.model),
             averaged=averaged,
         )
+        check_after_load(self.model)  # the tensors materialisation left to this load: written now?
         for copy in [] if fitting else averaged.values():
             copy.copy_to(self.lightning_module)
         drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now

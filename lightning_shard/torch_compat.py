@@ -411,3 +411,15 @@ def remove_mode(mode: Any) -> None:
     mode.__exit__(None, None, None)
     for entry in reversed(lifted):
         push(entry)
+
+
+def fused_kernel_devices() -> list[str]:
+    """The device types torch's fused optimizer kernels (``fused=True``) run on (``torch.utils._foreach_utils``).
+
+    Example:
+        >>> "cpu" in fused_kernel_devices()
+        True
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()

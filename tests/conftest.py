@@ -138,3 +138,11 @@ def mesh():
 def cpu_comms_result() -> dict:
     """``tests/cpu_comms_run.py`` on 2 ranks: the CPU collectives against FSDP2's defaults (both comm test files)."""
     return run_torchrun_result(2, "tests/cpu_comms_run.py")
+
+
+@pytest.fixture(scope="session")
+def init_skip_result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``tests/init_skip_run.py`` on 2 ranks (one launch for ``test_init_skip.py`` and ``test_fused_optimizer.py``)."""
+    out = tmp_path_factory.mktemp("init_skip")
+    run_script("tests/init_skip_run.py", "--devices", "2", "--out", str(out), timeout=400)
+    return torch.load(out / "result.pt", weights_only=False)

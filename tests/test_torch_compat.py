@@ -281,3 +281,9 @@ def test_set_activation_memory_budget_sets_the_partitioners_budget() -> None:
         assert functorch_config.activation_memory_budget == 0.25
     finally:
         functorch_config.activation_memory_budget = before
+
+
+def test_fused_kernel_devices() -> None:
+    from lightning_shard.torch_compat import fused_kernel_devices
+
+    assert {"cpu", "cuda"} <= set(fused_kernel_devices())

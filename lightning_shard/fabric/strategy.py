@@ -43,6 +43,13 @@ from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
+from lightning_shard.fused_optimizer import use_fused_kernels
+from lightning_shard.init_skip import (
+    check_after_load,
+    checkpoint_model_names,
+    initialization_deferred,
+    initialize_deferred,
+)
 from lightning_shard.materialize import meta_construction
 from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import clip_grad_norm
@@ -178,7 +185,9 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
             accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
-            self._shard_module(module, self.precision, accumulate)
+            # the values wait for the first forward, save or load: a `fabric.load` right after writes most of them
+            with initialization_deferred():
+                self._shard_module(module, self.precision, accumulate)
         else:
             self._keep_sharding(module, self.precision)
         self._apply_run_settings()
@@ -197,6 +206,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "parameters, or set both up together: `fabric.setup(model, optimizer)`."
             )
         self._check_optimizers_are_elementwise([optimizer])
+        use_fused_kernels([optimizer])
         return optimizer
 
     @override
@@ -261,6 +271,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
         path = self.broadcast(str(path))
+        for module in self._sharded_models:
+            initialize_deferred(module)
         full = self.config.state_dict_type == "full"
         checkpoint, layout = checkpoint_from_state(state, self.checkpoint_io, full=full, filter=filter)
         if full:
@@ -288,7 +300,9 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if not state:
             return self.checkpoint_io.load_checkpoint(path)
         if isinstance(state, Module):
+            initialize_deferred(state, checkpoint_model_names(path, raw=True))  # what the file holds is loaded
             self.checkpoint_io.load_raw_into(path, state, strict=strict)
+            check_after_load(state)
             drop_gathered_parameters(state)  # gathered before the load (a call after a step): stale now
             return {}
         if isinstance(state, Optimizer):
@@ -297,9 +311,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "names. Load it with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         model, optimizers, averaged, layout = layout_of(state, "load")
+        initialize_deferred(model, checkpoint_model_names(path))  # what the checkpoint holds is loaded
         rest = self.checkpoint_io.load_into(
             path, model, list(optimizers.values()), strict=strict, layout=layout, averaged=averaged
         )
+        check_after_load(model)
         drop_gathered_parameters(model)
         return restore_rest(state, rest, layout, strict)
 

@@ -1,0 +1,289 @@
+"""No initialisation that a load right after setup overwrites.
+
+``fit(ckpt_path=...)`` (also ``"last"``, ``"hpc"`` and the requeue relaunch that resumes from the newest checkpoint),
+``validate`` / ``test`` / ``predict(ckpt_path=...)``: Lightning restores the checkpoint right after the strategy's
+``setup``, which materialises the model. Replaying the model's construction there (every random draw of the whole
+model, :mod:`lightning_shard.replay`) would be work the load throws away. So the strategy learns which checkpoint
+Lightning selected (:func:`resume_path_noted`, around the launch), reads which model tensors it holds from its
+metadata (:func:`checkpoint_model_names`: no tensor is read), and materialisation replays only what the other tensors
+need (:func:`restricted_needs`): nothing at all for a complete checkpoint; for a partial one (a new head,
+``strict_loading=False``) the ops those tensors depend on, and the random draws up to the last of them, so they still
+equal the eager build.
+
+The safety net keeps its promise (:mod:`lightning_shard.unset`): the tensors left to the load keep the sentinel until
+the load; :func:`check_after_load` (called by the strategy after it loaded the checkpoint) names any the load did not
+write, as the check after the replay names those nothing wrote.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_shard.checkpoint.io import _recorded_layout
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
+from lightning_shard.checkpoint.ranks import broadcast_object, rank
+from lightning_shard.construction import HolderKey, Op
+from lightning_shard.replay import Overwrite, needed_ops
+from lightning_shard.torch_compat import visible_name
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# The state-dict names of the model tensors that a load right after this setup writes (set around the strategy's
+# sharding; empty: none).
+_LOADED_AFTER_SETUP: ContextVar[frozenset[str]] = ContextVar("loaded_after_setup", default=frozenset())
+# The checkpoint Lightning selected for each running Trainer (see `resume_path_noted`).
+_SELECTED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+# Under Fabric, the values of a materialised model wait for the first use (`initialize_or_defer`); `_DEFERRED` (on the
+# model) holds its initialisation and hooks, `_UNCHECKED` the check of the tensors left to a load (`check_after_load`).
+_DEFER: ContextVar[bool] = ContextVar("initialization_deferred", default=False)
+_DEFERRED = "_lightning_shard_deferred_initialization"
+_UNCHECKED = "_lightning_shard_unchecked_after_load"
+
+
+@contextmanager
+def resume_path_noted(trainer: pl.Trainer) -> Iterator[None]:
+    """Note the checkpoint path Lightning selects for this run (``fit(ckpt_path="last")``, SLURM's ``hpc``, the
+    requeue relaunch's) where the strategy's ``setup`` can read it (:func:`selected_checkpoint`): Lightning hands it
+    to the checkpoint connector only after ``setup``. Wraps the connector's ``_select_ckpt_path`` for the duration.
+
+    Example:
+        >>> with resume_path_noted(trainer):  # doctest: +SKIP
+        ...     trainer_fn(*args)
+    """
+    connector = trainer._checkpoint_connector
+    select = connector._select_ckpt_path
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        path = select(*args, **kwargs)
+        _SELECTED[trainer] = path
+        return path
+
+    connector._select_ckpt_path = noting
+    try:
+        yield
+    finally:
+        del connector._select_ckpt_path  # the class's method again
+        _SELECTED.pop(trainer, None)
+
+
+def selected_checkpoint(trainer: pl.Trainer) -> Any:
+    """The checkpoint path Lightning selected for the current run (``None``: none, or not known).
+
+    Example:
+        >>> selected_checkpoint(trainer)  # doctest: +SKIP
+        'ckpts/last.ckpt'
+    """
+    return _SELECTED.get(trainer)
+
+
+def trainer_checkpoint_names(trainer: pl.Trainer, averaging: bool) -> frozenset[str]:
+    """The model tensors (state-dict names) the checkpoint selected for this run holds, which Lightning loads right
+    after setup; empty when none is selected, when its contents cannot be told without reading it, or when
+    ``averaging`` (a weight-averaging callback copies the model before the load) and it holds no averaged copy.
+
+    Example:
+        >>> trainer_checkpoint_names(trainer, averaging=False)  # doctest: +SKIP
+        frozenset({'model.weight', 'model.bias'})
+    """
+    path = selected_checkpoint(trainer)
+    return checkpoint_model_names(path, averaged=averaging) if path else frozenset()
+
+
+def checkpoint_model_names(path: Any, averaged: bool = False, raw: bool = False) -> frozenset[str]:
+    """The names of the model tensors a checkpoint of this package holds (under the model key of the layout it
+    recorded; ``raw``: a file holding only a state dict), read by rank 0 from its metadata (a sharded directory's
+    ``.metadata``; a file's pickle, its tensors memory-mapped: none is read) and broadcast. Empty when it cannot be
+    told (then nothing is skipped, and the load itself reports what is wrong) or, with ``averaged``, when the
+    checkpoint holds no averaged copy.
+
+    Example:
+        >>> checkpoint_model_names("missing.ckpt")
+        frozenset()
+    """
+    return broadcast_object(_names_here(Path(path), averaged, raw) if rank() == 0 else None)
+
+
+def _names_here(path: Path, averaged: bool, raw: bool) -> frozenset[str]:
+    try:
+        if path.is_dir():
+            metadata = FileSystemReader(path).read_metadata()
+            layout = _recorded_layout(path, metadata)
+            prefix = f"{layout.model}."
+            keys = metadata.state_dict_metadata
+            names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+            top = {key.split(".", 1)[0] for key in keys}
+        else:
+            checkpoint = torch.load(path, mmap=True, weights_only=False, map_location="cpu")
+            if raw:
+                return frozenset(checkpoint)
+            layout = StateLayout.from_record(checkpoint[LAYOUT_KEY]) if LAYOUT_KEY in checkpoint else TRAINER_LAYOUT
+            names, top = set(checkpoint.get(layout.model, {})), set(checkpoint)
+    except Exception:  # unreadable here: the load names the problem
+        return frozenset()
+    if averaged and not top & set(layout.averaged):
+        return frozenset()
+    return frozenset(names)
+
+
+def loaded_after_setup(names: frozenset[str]) -> AbstractContextManager[None]:
+    """Inside, materialisation leaves the model tensors named ``names`` (state-dict names) to a load that follows.
+
+    Example:
+        >>> with loaded_after_setup(frozenset({"weight"})):  # doctest: +SKIP
+        ...     strategy._shard_module(model, precision, 1)
+    """
+    return _set_inside(_LOADED_AFTER_SETUP, names)
+
+
+@contextmanager
+def _set_inside(variable: ContextVar[Any], value: Any) -> Iterator[None]:
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
+
+
+def keys_of(root: nn.Module, names: frozenset[str]) -> set[HolderKey]:
+    """The tensors of ``root`` (as held: module id, table, name) whose state-dict names are ``names``.
+
+    Example:
+        >>> keys_of(nn.Linear(2, 2), frozenset())
+        set()
+    """
+    if not names:
+        return set()
+    return {
+        (id(module), table, name)
+        for prefix, module in root.named_modules()
+        for table in ("_parameters", "_buffers")
+        for name, tensor in module.__dict__[table].items()
+        if tensor is not None and visible_name(".".join(filter(None, [prefix, name]))) in names
+    }
+
+
+def initialization_deferred() -> AbstractContextManager[None]:
+    """Inside, materialisation allocates and plans, and leaves the values to :func:`initialize_deferred` (Fabric's
+    ``setup``: a ``fabric.load`` may follow).
+
+    Example:
+        >>> with initialization_deferred():  # doctest: +SKIP
+        ...     strategy._shard_module(model, precision, 1)
+    """
+    return _set_inside(_DEFER, True)
+
+
+def initialize_or_defer(root: nn.Module, initialize: Callable[[set[HolderKey]], None]) -> None:
+    """Run ``initialize`` (materialisation's replay, given the tensors a load writes) now, with the tensors of the
+    load that follows setup (:func:`loaded_after_setup`), or - under :func:`initialization_deferred` - at the first
+    of: :func:`initialize_deferred` (a load, a save), ``root``'s forward, its ``state_dict()``.
+
+    Example:
+        >>> initialize_or_defer(nn.Linear(2, 2), lambda loaded: None)
+    """
+    if not _DEFER.get():
+        initialize(keys_of(root, _LOADED_AFTER_SETUP.get()))
+        return
+    hooks = [
+        root.register_forward_pre_hook(_initialize_at_forward, prepend=True),
+        root.register_state_dict_pre_hook(lambda module, prefix, keep_vars: initialize_deferred(module)),
+    ]
+    root.__dict__[_DEFERRED] = (initialize, hooks)
+
+
+@torch.compiler.disable  # not traced into a user's `torch.compile(model)`: it runs once, before the first forward
+def _initialize_at_forward(module: nn.Module, args: Any) -> None:
+    initialize_deferred(module)
+
+
+def initialize_deferred(root: nn.Module, loaded: frozenset[str] = frozenset()) -> None:
+    """Initialise ``root`` now if its initialisation was deferred, leaving the tensors named ``loaded`` (state-dict
+    names) to the load that follows. Call on every rank (the replay's collectives).
+
+    Example:
+        >>> initialize_deferred(nn.Linear(2, 2))
+    """
+    deferred = root.__dict__.pop(_DEFERRED, None)
+    if deferred is None:
+        return
+    initialize, hooks = deferred
+    for hook in hooks:
+        hook.remove()
+    initialize(keys_of(root, loaded), deferred=True)
+
+
+@dataclass
+class ReplayScope:
+    """What the replay runs for the target storages alone (:func:`restricted_needs`).
+
+    Attributes:
+        needed: ``seq`` of the ops whose results are kept (as :func:`~lightning_shard.replay.needed_ops`).
+        before: the storages needed from before the first op.
+        last: the position of the last op the targets' values depend on; nothing after it runs.
+        stream_until: the position of the last needed op that draws (a random op, or a library's init, which may
+            draw): the random stream must reach each of them as in an eager build, so the draws before it run (into
+            scratch when not needed); the draws after it advance a stream nothing reads any more. ``-inf``: none.
+    """
+
+    needed: set[float]
+    before: set[int]
+    last: float
+    stream_until: float
+
+    def runs(self, op: Op | Overwrite) -> bool:
+        """Whether the replay gets ``op`` at all (it then runs it, or only its draws)."""
+        if isinstance(op, Overwrite):  # a library's init: its action draws and writes the live tensors
+            return op.seq in self.needed or op.seq < self.stream_until
+        return op.seq <= self.last
+
+
+def restricted_needs(
+    ops: list[Op | Overwrite], targets: set[int], draws: Callable[[Op], bool]
+) -> tuple[ReplayScope, Callable[[Op], bool]]:
+    """The ops the final values of the ``targets`` storages need, and the random draws they need before them
+    (:class:`ReplayScope`); ``draws`` says which random ops advance the stream in an eager build. Returned with the
+    ``draws`` rule cut at :attr:`ReplayScope.stream_until`.
+
+    Example:
+        >>> restricted_needs([], set(), draws=lambda op: True)[0].last
+        -inf
+    """
+    data_only, _ = needed_ops(ops, targets, lambda op: False)
+    last = max(data_only, default=-math.inf)
+    drawing = [op.seq for op in ops if op.seq in data_only and (isinstance(op, Overwrite) or (op.random and draws(op)))]
+    stream_until = max(drawing, default=-math.inf)
+
+    def draws_before(op: Op) -> bool:
+        return op.seq < stream_until and draws(op)
+
+    needed, before = needed_ops(ops, targets, draws_before)
+    return ReplayScope(needed, before, last, stream_until), draws_before
+
+
+def defer_check(root: nn.Module, check: Callable[[], None]) -> None:
+    """Hold ``check`` (of the tensors left to the load) until :func:`check_after_load`."""
+    root.__dict__[_UNCHECKED] = check
+
+
+def check_after_load(root: nn.Module) -> None:
+    """After the load that followed setup: run the check of the tensors materialisation left to it (an error naming
+    those the load did not write). Call on every rank; does nothing when nothing was left.
+
+    Example:
+        >>> check_after_load(nn.Linear(2, 2))
+    """
+    check = root.__dict__.pop(_UNCHECKED, None)
+    if check is not None:
+        check()
