@@ -47,6 +47,7 @@ from lightning_shard.parallelize import parallelize_module
 from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
+from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat import flatten_mesh_dims
 
 TBroadcast = TypeVar("TBroadcast")
@@ -68,6 +69,8 @@ class ShardedStrategyCore:
     """
 
     strategy_name = "fully_sharded"
+    # Says which Lightning package the strategy is for: Lightning's refusal of the other one's prints it.
+    __repr__ = describe
 
     # Provided by Lightning's ParallelStrategy (Trainer or Fabric).
     parallel_devices: list[torch.device] | None
