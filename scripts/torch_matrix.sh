@@ -5,10 +5,14 @@
 #   scripts/torch_matrix.sh                      # every leg below
 #   scripts/torch_matrix.sh 2.15.0:3.12          # one leg: torch version, Python version
 #   MATRIX_INSTALL_ONLY=1 scripts/torch_matrix.sh   # build the environments, run nothing
+#   MATRIX_TESTS='tests/test_parity.py' scripts/torch_matrix.sh 2.14.1:3.11   # other tests
+#
+# The exit status is 1 when a leg failed (CI runs two legs with it: .ci/run).
 #
 # Environments go to $MATRIX_VENVS (default .matrix/, reused when present); the table is printed at the end and kept
 # in $MATRIX_VENVS/table.md. A torch wheel is taken from the configured index first (this machine's disk), else
-# from PyPI (a CUDA build: it runs on CPUs). The interpreter is `python3.X` from PATH, else pyenv's.
+# from PyPI (a CUDA build: it runs on CPUs). The interpreter is pyenv's Python 3.X (~/.pyenv/versions), else
+# `python3.X` from PATH.
 # The legs run one after another (each test run uses every core).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,15 +20,20 @@ REPO=$PWD
 VENVS=${MATRIX_VENVS:-$REPO/.matrix}
 LEGS=("$@")
 [ ${#LEGS[@]} -eq 0 ] && LEGS=(2.11.0:3.11 2.13.0:3.11 2.14.1:3.11 2.15.0:3.12 2.15.0:3.13)
-# The private-API tests, and the main paths: the initialisation rule, parity, checkpoints, tensor parallelism, weight
-# averaging, Hugging Face loading, and the same scripts under the standalone pytorch_lightning package.
-TESTS=${MATRIX_TESTS:-tests/test_torch_compat.py tests/test_init_rule.py tests/test_parity.py tests/test_checkpoints.py
-    tests/test_tensor_parallel.py tests/test_averaging.py tests/test_hf_models.py tests/test_standalone.py}
+# The tests of the private torch names (torch_compat, FSDP2's comm classes, compile), and the main paths: the
+# initialisation rule, parity, checkpoints, tensor parallelism, weight averaging, Hugging Face loading and LoRA, and the
+# same scripts under the standalone pytorch_lightning package.
+TESTS=${MATRIX_TESTS:-tests/test_torch_compat.py tests/test_gloo_comms.py tests/test_shm_comms.py tests/test_compile.py
+    tests/test_init_rule.py tests/test_direct_calls.py tests/test_fsdp1_compat.py tests/test_parity.py
+    tests/test_checkpoints.py tests/test_tensor_parallel.py tests/test_averaging.py tests/test_hf_models.py
+    tests/test_lora.py tests/test_lora_estimate.py tests/test_standalone.py}
 mkdir -p "$VENVS"
 
-interpreter() {
-    command -v "python$1" 2>/dev/null && return
-    ls -d "$HOME"/.pyenv/versions/"$1".*/bin/python 2>/dev/null | sort -V | tail -1
+interpreter() {  # the newest python$1 that runs (a pyenv shim on PATH may not)
+    local candidate
+    for candidate in $(ls -d "$HOME"/.pyenv/versions/"$1".*/bin/python 2>/dev/null | sort -rV) $(command -v "python$1"); do
+        "$candidate" -c "import sys" 2>/dev/null && { echo "$candidate"; return; }
+    done
 }
 
 build() {  # torch python venv
@@ -45,12 +54,14 @@ build() {  # torch python venv
 }
 
 ROWS=()
+FAILED=0
 for leg in "${LEGS[@]}"; do
     torch=${leg%%:*} python=${leg##*:}
     venv=$VENVS/torch$torch-py$python
     echo "== torch $torch, Python $python ($venv)"
     if ! build "$torch" "$python" "$venv" > "$venv.build.log" 2>&1; then
         ROWS+=("| $torch | $python | environment failed: see $venv.build.log | | |")
+        FAILED=1
         continue
     fi
     [ -n "${MATRIX_INSTALL_ONLY:-}" ] && continue
@@ -59,6 +70,7 @@ for leg in "${LEGS[@]}"; do
     # shellcheck disable=SC2086
     OMP_NUM_THREADS=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider $TESTS > "$venv.tests.log" 2>&1
     status=$?
+    [ $status -eq 0 ] || FAILED=1
     seconds=$(( $(date +%s) - start ))
     summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$venv.tests.log" | tail -1 | tr -d '=')
     ROWS+=("| $torch | $python | $versions | ${summary:-exit $status} | ${seconds} s |")
@@ -70,3 +82,4 @@ done
     echo "|---|---|---|---|---|"
     printf '%s\n' "${ROWS[@]}"
 } | tee "$VENVS/table.md"
+exit $FAILED
