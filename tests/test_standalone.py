@@ -111,6 +111,11 @@ def test_strategy_plugins_and_callbacks_are_accepted_by_a_pytorch_lightning_trai
     assert trainer.strategy.checkpoint_io is io
     assert isinstance(trainer.strategy.precision_plugin, standalone.ShardedPrecision)
     assert all(callback in trainer.callbacks for callback in callbacks)
+    # the strategy gives pytorch_lightning's EMA callback the sharded copy, as it gives lightning's
+    averaging = importlib.import_module("lightning_shard.standalone.averaging.callbacks")
+    averaging.shard_weight_averaging(callbacks)
+    assert isinstance(callbacks[2], averaging.ShardedWeightAveraging)
+    assert isinstance(callbacks[2], pl.callbacks.EMAWeightAveraging)
 
 
 def test_lightning_cli_yaml_under_pytorch_lightning(tmp_path: Path) -> None:
@@ -189,3 +194,17 @@ def test_no_class_of_the_unified_package_in_the_standalone_namespace() -> None:
             if isinstance(value, type) and value.__module__.startswith("lightning_shard"):
                 unified = [base for base in value.__mro__ if base.__module__.startswith("lightning.")]
                 assert not unified, (module.__name__, value, unified)
+
+
+def test_the_standalone_names_are_registered_whichever_is_imported_first() -> None:
+    # A `lightning` program never loads the standalone packages; `lightning_fabric` imported after lightning_shard
+    # gets the names (its import loads `lightning_shard.standalone`, through the hook `import lightning_shard` left).
+    code = (
+        "import sys, lightning_shard\n"
+        "assert 'pytorch_lightning' not in sys.modules and 'lightning_shard.standalone' not in sys.modules\n"
+        "import lightning_fabric\n"
+        "fabric = lightning_fabric.Fabric(strategy='fully_sharded', accelerator='cpu', devices=2)\n"
+        "strategy = type(fabric.strategy)\n"
+        "print(strategy.__module__, issubclass(strategy, lightning_fabric.strategies.ParallelStrategy))\n"
+    )
+    assert run_script("-c", code).split()[-2:] == ["lightning_shard.standalone.fabric.strategy", "True"]
