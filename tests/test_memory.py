@@ -59,7 +59,7 @@ def _train_two_ranks(out_dir: Path) -> None:
         max_steps=TRAIN_STEPS,
         callbacks=[monitor],
         logger=[CSVLogger(out_dir, name="logs", version=0)]
-        + [TensorBoardLogger(out_dir, name="tensorboard", version=0)] * _has_tensorboard(),
+        + ([TensorBoardLogger(out_dir, name="tensorboard", version=0)] if _has_tensorboard() else []),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
