@@ -34,9 +34,6 @@ from lightning_shard.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
 fabric.ShardedStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
-# `lightning_shard.standalone`: the same classes for `pytorch_lightning` and `lightning_fabric`, registered with them
-# when either is imported (before or after this package). Last: it reads this namespace.
-load_when_imported()
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -56,3 +53,7 @@ __all__ = [
     "hf",
     "is_sharded_checkpoint",
 ]
+
+# `lightning_shard.standalone`: the same classes for `pytorch_lightning` and `lightning_fabric`, registered with them
+# when either is imported (before or after this package). Last: it reads this namespace.
+load_when_imported()

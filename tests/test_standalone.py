@@ -208,3 +208,12 @@ def test_the_standalone_names_are_registered_whichever_is_imported_first() -> No
         "print(strategy.__module__, issubclass(strategy, lightning_fabric.strategies.ParallelStrategy))\n"
     )
     assert run_script("-c", code).split()[-2:] == ["lightning_shard.standalone.fabric.strategy", "True"]
+
+
+def test_the_supported_pytorch_lightning_range_is_pyprojects_lightning_range() -> None:
+    from lightning_shard.standalone_packages.loader import SUPPORTED_LIGHTNING
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    low, high = SUPPORTED_LIGHTNING
+    assert f'"lightning>={low},<{high}"' in pyproject
+    assert f'"pytorch-lightning>={low},<{high}"' in pyproject
