@@ -25,6 +25,11 @@ def _title(metric: str) -> str:
     return metric.removesuffix("_bytes").replace("_", " ") + " (MiB)"
 
 
+def _dashes(rank: int) -> str:
+    """Rank 0 solid, the others dashed: ranks that hold the same bytes stay visible on top of each other."""
+    return f' stroke-dasharray="{3 + 3 * rank} 3"' if rank else ""
+
+
 def _span(low: float, high: float) -> tuple[float, float]:
     """A non-empty range around ``[low, high]`` (a flat series is drawn in the middle)."""
     if high - low < 1e-9 * max(abs(high), 1.0):
@@ -57,7 +62,7 @@ def _panel(top: int, metric: str, steps: list[int], series: list[list[float]]) -
     for rank, values in enumerate(series):
         colour = COLOURS[rank % len(COLOURS)]
         points = " ".join(f"{x(step):.1f},{y(value):.1f}" for step, value in zip(steps, values, strict=True))
-        parts.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"/>')
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"{_dashes(rank)}/>')
         parts += [
             f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="2.5" fill="{colour}"/>' for p in points.split()
         ]
@@ -76,7 +81,9 @@ def memory_svg(history: list[dict[str, Any]]) -> str:
     ]
     for rank in range(world_size):  # the legend
         colour, left = COLOURS[rank % len(COLOURS)], LEFT + 70 * rank
-        parts.append(f'<line x1="{left}" x2="{left + 18}" y1="14" y2="14" stroke="{colour}" stroke-width="3"/>')
+        parts.append(
+            f'<line x1="{left}" x2="{left + 18}" y1="14" y2="14" stroke="{colour}" stroke-width="3"{_dashes(rank)}/>'
+        )
         parts.append(f'<text x="{left + 22}" y="18">rank {rank}</text>')
     for index, metric in enumerate(metrics):
         series = [[sample["ranks"][rank][metric] / MIB for sample in history] for rank in range(world_size)]
