@@ -34,7 +34,7 @@ TOL = 1e-5
 def run_standalone(script: str, *args: str) -> str:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STANDALONE_SCRIPT", script)
-        return run_script("tests/standalone_run.py", *args, timeout=300)
+        return run_script("tests/standalone_run.py", *args, timeout=600)
 
 
 @pytest.fixture(scope="module")
