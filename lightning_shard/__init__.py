@@ -7,6 +7,10 @@ user needs:
     >>> import lightning_shard  # noqa: F401
     >>> trainer = L.Trainer(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
     >>> fabric = L.Fabric(strategy="fully_sharded", accelerator="cpu", devices=2)  # doctest: +SKIP
+
+The standalone packages ``pytorch_lightning`` and ``lightning_fabric`` get the same (see
+:mod:`lightning_shard.standalone_packages`): ``pl.Trainer(strategy="fully_sharded")``, and the classes under
+``lightning_shard.standalone`` (``lightning_shard.standalone.ShardedStrategy``, ``...ShardedMemoryMonitor``, ...).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -25,6 +29,7 @@ from lightning_shard.memory import (
 )
 from lightning_shard.precision import ShardedPrecision
 from lightning_shard.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
+from lightning_shard.standalone_packages import load_when_imported
 from lightning_shard.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
@@ -48,3 +53,7 @@ __all__ = [
     "hf",
     "is_sharded_checkpoint",
 ]
+
+# `lightning_shard.standalone`: the same classes for `pytorch_lightning` and `lightning_fabric`, registered with them
+# when either is imported (before or after this package). Last: it reads this namespace.
+load_when_imported()

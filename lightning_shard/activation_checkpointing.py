@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_shard.torch_compat import OpOverload
+
 SELECTIVE = "selective"
 
 # torchtitan's save list, plus the CPU kernels of the same ops (addmm: a linear layer with a bias).
@@ -40,7 +42,7 @@ DEFAULT_SAVED_OPS = (
 _MATMULS = ("aten.mm.default", "aten.addmm.default")
 
 
-def resolve_ops(names: Sequence[str]) -> set[torch._ops.OpOverload]:
+def resolve_ops(names: Sequence[str]) -> set[OpOverload]:
     """The op overloads ``names`` name (``"aten.mm.default"``: ``torch.ops.aten.mm.default``).
 
     Raises:

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_shard.checkpoint.model_checkpoint import restore_checkpoint_folders
 from lightning_shard.init_skip import resume_path_noted
+from lightning_shard.standalone_packages.mixing import check_one_lightning
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
 class _RestoresCheckpointFolders:
     """Before the run (and Lightning's search for the checkpoint to resume from, ``ckpt_path="last"`` or SLURM's
     ``hpc``), every process puts back the checkpoints that a kill left moved aside (:func:`restore_checkpoint_folders`;
-    the renames are safe to race)."""
+    the renames are safe to race). First, objects made for the other Lightning package (``lightning`` /
+    ``pytorch_lightning``) are refused with the class to use (:func:`check_one_lightning`)."""
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is not None:
+            check_one_lightning(trainer)
             restore_checkpoint_folders(trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 

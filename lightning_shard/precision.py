@@ -31,6 +31,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.standalone_packages.mixing import describe
+
 ShardedPrecisionInput = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 
 _COMPUTE_DTYPE = {
@@ -62,6 +64,9 @@ class PrecisionPolicy:
         >>> ShardedPrecision("bf16-mixed").mp_policy.param_dtype
         torch.bfloat16
     """
+
+    # Says which Lightning package the plugin is for: Lightning's refusal of the other one's prints it.
+    __repr__ = describe
 
     def __init__(
         self,

@@ -50,6 +50,7 @@ from lightning_shard.precision import PrecisionPolicy
 from lightning_shard.replicated import set_gradient_sync
 from lightning_shard.settings import StrategySettings
 from lightning_shard.sharded_with import check_same_sharding, record_sharding, sharded_mesh
+from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
 from lightning_shard.undo import UndoLog
 
@@ -72,6 +73,8 @@ class ShardedStrategyCore:
     """
 
     strategy_name = "fully_sharded"
+    # Says which Lightning package the strategy is for: Lightning's refusal of the other one's prints it.
+    __repr__ = describe
 
     # Provided by Lightning's ParallelStrategy (Trainer or Fabric).
     parallel_devices: list[torch.device] | None

@@ -7,8 +7,9 @@ non-persistent buffers, the decay inside ``get_ema_avg_fn``'s function. Each is 
 through this module only, so that a torch release that moves one breaks here, loudly, and in
 ``tests/test_torch_compat.py``, which exercises every name below.
 
-Checked on torch 2.11.0 and 2.13.0 (the ends of the range ``pyproject.toml`` declares; CI runs the tests on both).
-Where a name differs between them, the difference is handled here and says so.
+Checked on torch 2.11.0, 2.13.0, 2.14.1 and 2.15.0 (``scripts/torch_matrix.sh``; CI runs the tests on 2.11, 2.13 and
+2.15). Where a name differs between versions, the difference is handled here and says so; no other module of the
+package names a private torch attribute (``tests/test_torch_compat.py`` reads their source to keep it so).
 
 Example:
     >>> from torch import nn
@@ -41,6 +42,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (re-exported)
+
+# The type of `torch.ops.aten.mm.default`: the selective-checkpointing policy's op names resolve to it.
+OpOverload = torch._ops.OpOverload
 
 # torch's zip-archive reader (``torch.load`` uses it; ``get_record_offset`` is what ``torch.load(mmap=True)`` uses).
 PyTorchFileReader = torch._C.PyTorchFileReader

@@ -53,6 +53,10 @@ SCENARIOS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
     "accumulate": ({}, {"accumulate_grad_batches": ACCUMULATE}, {}),
     "accumulate_unsharded": ({"gradient_accumulation": "unsharded"}, {"accumulate_grad_batches": ACCUMULATE}, {}),
     "meta_init": ({}, {}, {"build": "configure"}),
+    # the model built inside `trainer.init_module(...)`: on the meta device (the reference builds it eagerly), or
+    # eagerly on every rank
+    "init_module_empty": ({}, {}, {"init_module": True}),
+    "init_module": ({}, {}, {"init_module": False}),
     "checkpointing": ({"activation_checkpointing": ["Block"], "auto_wrap_policy": 500}, {}, {}),
     "selective_checkpointing": ({"activation_checkpointing": "selective"}, {}, {}),
     "forward_prefetch": ({"forward_prefetch": True}, {}, {}),
@@ -81,8 +85,8 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         # Lightning turns `precision="16-mixed"` into bf16 on a CPU accelerator; the plugin keeps fp16.
         trainer_kwargs["plugins"] = [lightning_shard.ShardedPrecision(trainer_kwargs["plugins"])]
     drop_batch = model_kwargs.pop("drop_batch", None)
+    init_module = model_kwargs.pop("init_module", None)
     L.seed_everything(0, verbose=False)
-    model = ToyModel(**model_kwargs)
     recorder, held = GlobalLossRecorder(), HeldGradientRecorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -93,6 +97,11 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
         **QUIET,
         **trainer_kwargs,
     )
+    if init_module is None:
+        model = ToyModel(**model_kwargs)
+    else:  # Lightning's own single-device strategy would leave an `empty_init` model uninitialised
+        with trainer.init_module(empty_init=init_module and not reference):
+            model = ToyModel(**model_kwargs)
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH, drop=drop_batch))
     result: dict[str, Any] = {
         "losses": recorder.losses,

@@ -4,6 +4,7 @@ Run as a script, this file is the 2-rank training job (Lightning's launcher re-r
 """
 
 import csv
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ MLP_WIDTH = 512
 MLP_DEPTH = 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters
 TRAIN_STEPS = 4
 GIB = 2**30
+MEMORY_METRICS = ("params_bytes", "grads_bytes", "optimizer_bytes", "rss_bytes", "peak_rss_bytes")
 
 
 def _mlp() -> nn.Sequential:
@@ -31,7 +33,7 @@ def _mlp() -> nn.Sequential:
 def _train_two_ranks(out_dir: Path) -> None:
     """Fit the MLP with ShardedStrategy (every Linear and the root under fully_shard) on 2 gloo ranks."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_shard import ShardedStrategy
@@ -56,7 +58,8 @@ def _train_two_ranks(out_dir: Path) -> None:
         strategy=ShardedStrategy(sharding_strategy="FULL_SHARD"),
         max_steps=TRAIN_STEPS,
         callbacks=[monitor],
-        logger=CSVLogger(out_dir, name="logs", version=0),
+        logger=[CSVLogger(out_dir, name="logs", version=0)]
+        + ([TensorBoardLogger(out_dir, name="tensorboard", version=0)] if _has_tensorboard() else []),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -65,6 +68,35 @@ def _train_two_ranks(out_dir: Path) -> None:
     trainer.fit(ShardedMLP(), data)
     if trainer.is_global_zero:
         (out_dir / "history.json").write_text(json.dumps(monitor.history))
+
+
+def _has_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def csv_memory_series(out_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The ``memory/rank{r}/{metric}`` series CSVLogger wrote to ``metrics.csv``: (step, value) pairs by tag."""
+    with open(out_dir / "logs" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    tags = [tag for tag in rows[0] if tag.startswith("memory/")]
+    return {tag: [(int(row["step"]), float(row[tag])) for row in rows if row[tag]] for tag in tags}
+
+
+def tensorboard_memory_series(out_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The same series as TensorBoardLogger wrote them to its event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out_dir / "tensorboard" / "version_0"))
+    events.Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if tag.startswith("memory/")]
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in tags}
+
+
+def assert_every_rank_logged(series: dict[str, list[tuple[int, float]]], steps: list[int]) -> None:
+    for rank in (0, 1):
+        for metric in MEMORY_METRICS:
+            logged = series[f"memory/rank{rank}/{metric}"]
+            assert [step for step, _ in logged] == steps and all(value > 0 for _, value in logged), (rank, metric)
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +127,7 @@ def test_measured_model_states_match_formula_within_10_percent(two_rank_run: tup
 
 def test_every_rank_is_logged_and_reported(two_rank_run: tuple[Path, str]) -> None:
     out_dir, stdout = two_rank_run
-    with open(out_dir / "logs" / "version_0" / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    for rank in (0, 1):
-        for metric in ("params_bytes", "grads_bytes", "optimizer_bytes", "rss_bytes", "peak_rss_bytes"):
-            assert all(float(row[f"memory/rank{rank}/{metric}"]) > 0 for row in rows)
-    assert [int(row["step"]) for row in rows] == [2, 4]
+    assert_every_rank_logged(csv_memory_series(out_dir), steps=[2, 4])
 
     table = stdout[stdout.index("Per-rank memory at step 4") :].splitlines()
     assert table[1].split()[:3] == ["rank", "params", "(MiB)"]
@@ -110,7 +137,18 @@ def test_every_rank_is_logged_and_reported(two_rank_run: tuple[Path, str]) -> No
     assert history["world_size"] == 2
     assert [sample["step"] for sample in history["ranks"]["1"]] == [2, 4]
     assert (out_dir / "memory" / "memory.csv").read_text().startswith("step,rank,params_bytes")
-    assert (out_dir / "memory" / "memory.png").exists() or "matplotlib is not installed" in stdout
+    assert (out_dir / "memory" / "memory.svg").read_text().count("<polyline") == 2 * len(MEMORY_METRICS)
+    assert f"memory plot written to {out_dir / 'memory' / 'memory.svg'}" in stdout
+
+
+@pytest.mark.skipif(not _has_tensorboard(), reason="needs tensorboard (the test extra)")
+def test_every_rank_reaches_tensorboard(two_rank_run: tuple[Path, str]) -> None:
+    out_dir, _ = two_rank_run
+    series = tensorboard_memory_series(out_dir)
+    assert_every_rank_logged(series, steps=[2, 4])
+    for tag, logged in csv_memory_series(out_dir).items():  # the same values as the CSV file's (float32 here)
+        assert [step for step, _ in series[tag]] == [step for step, _ in logged]
+        assert [value for _, value in series[tag]] == pytest.approx([value for _, value in logged], rel=1e-6)
 
 
 def test_accounting_counts_local_storage_once_for_plain_tensors() -> None:

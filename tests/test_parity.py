@@ -23,6 +23,8 @@ FP32 = [
     "accumulate",
     "accumulate_unsharded",
     "meta_init",
+    "init_module_empty",
+    "init_module",
     "checkpointing",
     "selective_checkpointing",
     "forward_prefetch",

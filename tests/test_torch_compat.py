@@ -6,6 +6,7 @@ changes one of them fails here, by name, rather than somewhere inside a sharded 
 
 from __future__ import annotations
 
+import ast
 import gc
 import io
 import subprocess
@@ -287,3 +288,39 @@ def test_fused_kernel_devices() -> None:
     from lightning_shard.torch_compat import fused_kernel_devices
 
     assert {"cpu", "cuda"} <= set(fused_kernel_devices())
+
+
+def _private_torch_names(tree: ast.AST) -> list[str]:
+    """The private torch names a module's source reaches: ``torch.x._y`` attributes, imports from ``torch.x._y``
+    modules and of ``_y`` names."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = [node.module or "", *(alias.name for alias in node.names)]
+            found += [f"line {node.lineno}: from {node.module}"] * any(
+                part.startswith("_") for name in names for part in name.split(".")
+            )
+        elif isinstance(node, ast.Import):
+            found += [
+                f"line {node.lineno}: import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("torch.") and any(part.startswith("_") for part in alias.name.split("."))
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            while isinstance(value, ast.Attribute):
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "torch":
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_torch_names_are_reached_through_torch_compat_only() -> None:
+    # A private name used elsewhere would escape the per-version checks above (and the branches of torch_compat).
+    package = REPO / "lightning_shard"
+    found = {
+        str(path.relative_to(REPO)): names
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "torch_compat.py" and (names := _private_torch_names(ast.parse(path.read_text())))
+    }
+    assert found == {}, f"private torch names outside lightning_shard/torch_compat.py: {found}"

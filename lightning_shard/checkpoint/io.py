@@ -68,6 +68,7 @@ from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, wo
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.target import Found, Target
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
+from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
 
 MODEL_KEY = TRAINER_LAYOUT.model
@@ -108,6 +109,9 @@ class ShardedCheckpointIO(CheckpointIO):
         >>> from lightning_shard import ShardedStrategy
         >>> strategy = ShardedStrategy(checkpoint_io=ShardedCheckpointIO(async_save=True))
     """
+
+    # Says which Lightning package the plugin is for: Lightning's refusal of the other one's prints it.
+    __repr__ = describe
 
     def __init__(self, async_save: bool = False) -> None:
         if not isinstance(async_save, bool):

@@ -9,7 +9,8 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_shard.memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from lightning_shard.memory.process_memory import cuda_memory, host_memory
-from lightning_shard.memory.report import Sample, format_rank_table, write_csv, write_json, write_plot
+from lightning_shard.memory.report import Sample, format_rank_table, write_csv, write_json
+from lightning_shard.memory.svg_plot import write_svg_plot
 
 
 class ShardedMemoryMonitor(Callback):
@@ -20,7 +21,7 @@ class ShardedMemoryMonitor(Callback):
     allocated / reserved / active bytes. Lightning loggers write from rank 0 only, so the figures of all ranks are
     gathered to rank 0 and logged as ``memory/rank{r}/<metric>``. At the end of training rank 0 prints a table
     (rows = ranks, MiB) and, with ``output_dir``, writes ``memory.csv``, ``memory.json`` (per-rank history) and
-    ``memory.png`` (if matplotlib is installed).
+    ``memory.svg`` (a plot drawn with the standard library).
 
     Gradients are sampled in ``on_before_optimizer_step`` because ``zero_grad(set_to_none=True)`` frees them before
     the batch ends; the last sample is reported. Per step the cost is one pass over the parameters; the collective
@@ -100,4 +101,4 @@ class ShardedMemoryMonitor(Callback):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_csv(self.history, self.output_dir / "memory.csv")
         write_json(self.history, self.output_dir / "memory.json")
-        print(write_plot(self.history, self.output_dir / "memory.png"), flush=True)
+        print(write_svg_plot(self.history, self.output_dir / "memory.svg"), flush=True)

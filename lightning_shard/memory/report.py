@@ -1,4 +1,4 @@
-"""Turn per-rank memory samples into a table, CSV and JSON files and a plot.
+"""Turn per-rank memory samples into a table and CSV and JSON files (the plot: :mod:`.svg_plot`).
 
 A sample is ``{"step": int, "ranks": [{metric: bytes, ...} for each rank]}``; a history is a list of samples.
 
@@ -61,27 +61,3 @@ def write_json(history: list[Sample], path: Path) -> None:
     """``{"world_size": N, "ranks": per_rank_history(history)}``."""
     payload = {"world_size": len(history[0]["ranks"]), "ranks": per_rank_history(history)}
     path.write_text(json.dumps(payload, indent=2))
-
-
-def write_plot(history: list[Sample], path: Path) -> str:
-    """One panel per metric, one line per rank, MiB over steps. Returns a line saying what was written or why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display on training nodes
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "memory plot skipped: matplotlib is not installed (pip install 'lightning-shard[plot]')"
-    metrics = list(history[0]["ranks"][0])
-    steps = [sample["step"] for sample in history]
-    figure, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.2 * len(metrics)), sharex=True, squeeze=False)
-    for axis, metric in zip(axes[:, 0], metrics, strict=True):
-        for rank in range(len(history[0]["ranks"])):
-            axis.plot(steps, [sample["ranks"][rank][metric] / MIB for sample in history], label=f"rank {rank}")
-        axis.set_ylabel(_column_title(metric), fontsize=8)
-    axes[0, 0].legend(fontsize=7)
-    axes[-1, 0].set_xlabel("step")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return f"memory plot written to {path}"
