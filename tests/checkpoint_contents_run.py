@@ -27,17 +27,20 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import QUIET, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
+from lightning_shard.checkpoint.publish import STAGING_DIR  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy  # noqa: E402
 
-TREES = int(os.environ.get("TREES", 24))  # per format; 3 entries per checkpoint
+TREES = 24  # per format; 3 entries per checkpoint
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64]
 
 
@@ -228,11 +231,133 @@ def reported_trainer_case(out: Path) -> dict[str, Any]:
     return {"trainer_extras_equal": results}
 
 
+def fit(model: L.LightningModule, steps: int, callbacks: list[L.Callback] = (), **kwargs: Any) -> L.Trainer:
+    """A 2-rank fit of 4 batches an epoch; ``state_dict_type`` and ``ckpt_path`` among ``kwargs``."""
+    strategy = lightning_shard.ShardedStrategy(state_dict_type=kwargs.pop("state_dict_type", "sharded"))
+    quiet = {**QUIET, "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks)}
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=steps,
+                        limit_val_batches=2, num_sanity_val_steps=0, callbacks=list(callbacks), **quiet)  # fmt: skip
+    trainer.fit(model, rank_slice_loader(16), rank_slice_loader(16), ckpt_path=kwargs.pop("ckpt_path", None))
+    return trainer
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in get_model_state_dict(model, options=FULL).items()}
+
+
+def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two gathered state dicts (read on rank 0, where they are gathered)."""
+    if rank() != 0:
+        return 0.0
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+def validation_loss(ckpt_path: Path | None = None, model: L.LightningModule | None = None) -> float:
+    """The validation loss of ``model`` (default: a fresh one), or of the checkpoint's weights, without a callback."""
+    strategy = lightning_shard.ShardedStrategy()
+    trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, limit_val_batches=2,
+                        **QUIET)  # fmt: skip
+    (metrics,) = trainer.validate(model or ToyModel(), rank_slice_loader(16), ckpt_path=ckpt_path, verbose=False)
+    return metrics["val_loss"]
+
+
+class StopAtEpochEnd(L.Callback):
+    """Raises at the end of the first epoch (after the 4th step): what a rescue save follows."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise RuntimeError("stop")
+
+
+def averaging(out: Path) -> dict[str, Any]:
+    """Weight averaging checkpoints: after fit (``trainer.save_checkpoint``) and after an exception they hold the
+    model's weights under ``state_dict`` and the copy under ``averaged_model``, as during fit; evaluating one
+    evaluates the averaged weights, also when its publish was interrupted (moved aside)."""
+    io = lightning_shard.ShardedCheckpointIO()
+    ema = EMAWeightAveraging(decay=0.8)
+    every = ModelCheckpoint(dirpath=out / "ema", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    torch.manual_seed(0)
+    model = ToyModel()
+    fit(model, 8, [ema, every])
+    after_fit = out / "ema" / "final.ckpt"
+    model.trainer.save_checkpoint(after_fit)
+    saved = io.load_checkpoint(after_fit)
+    averaged = {name[len("module.") :]: v for name, v in saved["averaged_model"].items() if name != "n_averaged"}
+    result = {
+        "after_fit_keys_lightning": sorted({"current_model_state", "averaging_state"} & set(saved)),
+        "after_fit_state_dict_is_model": difference(saved["state_dict"], weights(model)),
+        "after_fit_averaged_is_copy": difference(averaged, weights(ema._average_model.module)),
+        "validate_after_fit": validation_loss(model=model),
+        "validate_after_fit_checkpoint": validation_loss(after_fit),
+    }
+    # A checkpoint written during fit, then found moved aside by an interrupted publish: the averaged weights.
+    during = out / "ema" / "step=4.ckpt"
+    result["validate_step4"] = validation_loss(during)
+    if rank() == 0:
+        (during.parent / STAGING_DIR).mkdir(exist_ok=True)
+        during.rename(during.parent / STAGING_DIR / f"{during.name}.old-3f2a9b1c")
+    dist.barrier()
+    result["validate_step4_moved_aside"] = validation_loss(during)
+    # Rescue: an exception ends fit after step 4; the save after it holds what the step-4 checkpoint holds.
+    torch.manual_seed(0)
+    rescued, rescue_ema = ToyModel(), EMAWeightAveraging(decay=0.8)
+    try:
+        fit(rescued, 8, [rescue_ema, StopAtEpochEnd()])
+    except RuntimeError:
+        pass
+    rescue = out / "ema" / "rescue.ckpt"
+    rescued.trainer.save_checkpoint(rescue)
+    saved = io.load_checkpoint(rescue)
+    result["rescue_keys_lightning"] = sorted({"current_model_state", "averaging_state"} & set(saved))
+    result["rescue_state_dict_is_model"] = difference(saved["state_dict"], weights(rescued))
+    # The same trajectory as the uninterrupted run's step-4 checkpoint (written inside fit, in this layout).
+    step4 = io.load_checkpoint(during)
+    result["rescue_vs_step4_checkpoint"] = max(
+        difference(saved[key], step4[key]) for key in ("state_dict", "averaged_model")
+    )
+    return result
+
+
+class LateParameters(ToyModel):
+    """Parameters without a gradient at the step-4 save: one never used, one used from step 4 on (a mask token, a
+    layer unfrozen later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.mask_token = nn.Parameter(torch.randn(8) * 0.1)
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.mask_token if self.trainer.global_step >= 4 else x)
+
+
+def parameters_without_state(out: Path) -> dict[str, Any]:
+    """Resumed at step 4 against an uninterrupted 6-step run, in both formats."""
+    torch.manual_seed(0)
+    uninterrupted = LateParameters()
+    fit(uninterrupted, 6)
+    result = {}
+    for state_dict_type in ("sharded", "full"):
+        torch.manual_seed(0)
+        first = LateParameters()
+        path = out / f"late-{state_dict_type}.ckpt"
+        fit(first, 4, state_dict_type=state_dict_type).save_checkpoint(path)
+        torch.manual_seed(0)
+        resumed = LateParameters()
+        try:
+            fit(resumed, 6, state_dict_type=state_dict_type, ckpt_path=path)
+            result[state_dict_type] = difference(weights(resumed), weights(uninterrupted))
+        except Exception as error:
+            result[state_dict_type] = f"{type(error).__name__}: {str(error)[:150]}"
+    return {"late_parameters_resumed_vs_uninterrupted": result}
+
+
 def save(out: Path) -> dict[str, Any]:
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=ShardedStrategy())
     fabric.launch()
-    result = {**trees(fabric, out), **reported_fabric_case(fabric, out)}
-    return {**result, **reported_trainer_case(out)}
+    result = {**trees(fabric, out), **reported_fabric_case(fabric, out), **reported_trainer_case(out)}
+    return {**result, **averaging(out), **parameters_without_state(out)}
 
 
 def load(out: Path) -> dict[str, Any]:
@@ -245,7 +370,7 @@ def load(out: Path) -> dict[str, Any]:
         keys = [name_key.split("/")[1] for name_key in recorded if name_key.startswith(name + "/")]
         model, optimizer = fabric_model(fabric)
         state = {"model": model, "optimizer": optimizer, **dict.fromkeys(keys)}
-        fabric.load(out / name, state)
+        fabric.load(out / f"{name}.ckpt", state)
         wrong = [key for key in keys if not same(canonical(state[key], False), recorded[f"{name}/{key}"])]
         failures += [f"{name}/{key}" for key in wrong]
     trainer = {}
