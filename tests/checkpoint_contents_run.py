@@ -117,6 +117,13 @@ def canonical(tree: Any, local: bool) -> Any:
     return tree
 
 
+def every_rank(value: Any) -> list[Any]:
+    """``value`` of every rank (what rank 0 reports must include the other ranks' findings)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
@@ -154,11 +161,11 @@ def trees(fabric: L.Fabric, out: Path) -> dict[str, Any]:
             fabric.load(path, state)
             for key, tree in entries.items():
                 if not same(canonical(state[key], local=True), canonical(tree, local=True)):
-                    failures.append(f"{state_dict_type} {key}")
+                    failures.append(f"{state_dict_type} {key} (rank {rank()})")
                 recorded[f"{state_dict_type}-{index}/{key}"] = canonical(tree, local=False)
     if rank() == 0:
         torch.save(recorded, out / "trees.pt")
-    return {"trees": TREES * 2, "tree_failures": failures}
+    return {"trees": TREES * 2, "tree_failures": sum(every_rank(failures), [])}
 
 
 def reported_fabric_case(fabric: L.Fabric, out: Path) -> dict[str, Any]:
@@ -171,11 +178,12 @@ def reported_fabric_case(fabric: L.Fabric, out: Path) -> dict[str, Any]:
     state = {"model": loaded_model, "optimizer": loaded_optimizer, "extra": None}
     fabric.load(out / "w_copy.ckpt", state)
     w_copy = state["extra"]["w_copy"]
-    return {
+    checks = {
         "w_copy_is_dtensor": isinstance(w_copy, DTensor),
         "w_copy_local_equal": torch.equal(w_copy.to_local(), weight.to_local()),
         "w_copy_whole_equal": torch.equal(w_copy.full_tensor(), weight.full_tensor()),
     }
+    return {name: all(every_rank(value)) for name, value in checks.items()}
 
 
 class ExtrasModule(ToyModel):
@@ -224,7 +232,8 @@ def reported_trainer_case(out: Path) -> dict[str, Any]:
         first.save_checkpoint(path)
         resumed = ExtrasModule()
         trainer(2).fit(resumed, rank_slice_loader(16), ckpt_path=path)
-        results[state_dict_type] = same(canonical(resumed.loaded, local=True), canonical(module.saved, local=True))
+        equal = same(canonical(resumed.loaded, local=True), canonical(module.saved, local=True))
+        results[state_dict_type] = all(every_rank(equal))
         whole = canonical(module.saved, local=False)  # a collective: on every rank
         if rank() == 0:
             torch.save(whole, out / f"trainer-{state_dict_type}.pt")
