@@ -6,10 +6,9 @@
 ``save``: for each format (sharded, full), ``TREES`` random state trees (seeded: the same structure on every rank)
 of nested dicts, lists, tuples, empty containers, Python objects, plain tensors the same on every rank or not,
 DTensors of several placements and dtypes, saved with ``fabric.save`` beside a model and an optimizer, then loaded
-by a fresh model and optimizer; plus the reported cases as Trainer and Fabric runs (a second model's state dict, a
-hand-written EMA and per-rank RNG states from ``on_save_checkpoint``; Fabric's ``extra["w_copy"]``). Each rank
-compares what it loaded with what it saved (DTensors: placements, local shard and whole tensor); rank 0 records its
-own trees (DTensors whole) for ``load``, which compares them with what one rank reads. Prints ``RESULT <json>``.
+by a fresh model and optimizer; the reported cases (Trainer and Fabric; weight averaging; parameters without optimizer
+state). Each rank compares what it loaded with what it saved (DTensors: placements, local shard, whole tensor); rank
+0 records its trees for ``load``, which compares them with what one rank reads. Prints ``RESULT <json>``.
 """
 
 from __future__ import annotations
