@@ -40,6 +40,7 @@ from lightning_shard.averaging.callbacks import (
     copy_for_evaluation,
     restore_weight_averaging,
     shard_weight_averaging,
+    with_averaged_copy_entry,
 )
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
 from lightning_shard.checkpoint.model_checkpoint import link_when_published
@@ -387,6 +388,13 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Every rank takes part: a sharded save writes each rank's shard, a full save gathers to rank 0.
         path = self.broadcast(str(filepath))
+        full = self.config.state_dict_type == "full"
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            checkpoint = with_averaged_copy_entry(
+                checkpoint,
+                self.lightning_module.trainer.callbacks,
+                lambda copy: self.checkpoint_io.model_state(copy, full=full),
+            )
         left_out = self._frozen_pretrained_weights_left_out()
         if left_out:  # the state dict left them out; the checkpoint says which, and where they are read from
             checkpoint = {**checkpoint, RECORD_KEY: checkpoint_record(left_out)}

@@ -29,7 +29,7 @@ same equal-weight average, sharded.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 # Where a Trainer checkpoint keeps the averaged copy.
 AVERAGED_KEY = TRAINER_LAYOUT.averaged[0]
+# Where Lightning's own `WeightAveraging.on_save_checkpoint` moves the trained weights, and the entries it writes.
+LIGHTNING_MOVED_WEIGHTS_KEY = "current_model_state"
+_LIGHTNING_AVERAGING_KEYS = {LIGHTNING_MOVED_WEIGHTS_KEY, "averaging_state"}
 
 
 class ShardedWeightAveraging(WeightAveraging):
@@ -181,8 +184,8 @@ def copy_for_evaluation(path: str, module: nn.Module) -> dict[str, ShardedAverag
         >>> copy_for_evaluation("out/best.ckpt", sharded_module)  # doctest: +SKIP
         {'averaged_model': ShardedAveragedModel(...)}
     """
-    if not Path(path).exists() or not holds_averaged_copy(path):
-        return {}  # a missing path is left to the load to report
+    if not holds_averaged_copy(path):  # decided by rank 0 after waiting for saves and repairs, as the load decides
+        return {}
     return {AVERAGED_KEY: ShardedAveragedModel(module)}
 
 
@@ -198,6 +201,31 @@ def averaged_models(callbacks: list[Callback]) -> dict[str, ShardedAveragedModel
     sharded = [callback for callback in callbacks if isinstance(callback, ShardedWeightAveraging)]
     copies = [callback._average_model for callback in sharded if callback._average_model is not None]
     return {AVERAGED_KEY: copies[0]} if copies else {}
+
+
+def with_averaged_copy_entry(
+    checkpoint: dict[str, Any], callbacks: list[Callback], averaged_state: Callable[[nn.Module], dict[str, Any]]
+) -> dict[str, Any]:
+    """``checkpoint`` in this package's layout (trained weights under ``state_dict``, the averaged copy under
+    ``"averaged_model"``) when Lightning's own ``WeightAveraging.on_save_checkpoint`` wrote it in Lightning's: after
+    fit or after an exception, when :func:`restore_weight_averaging` has given the callback its class back but its
+    copy is still the sharded one, ``trainer.save_checkpoint`` runs Lightning's hook, which moves the weights to
+    ``current_model_state`` and puts the copy's shards, unlabelled, in ``state_dict``. ``averaged_state``: the state
+    dict of the copy as the checkpoint stores weights (sharded, or gathered). Call on every rank.
+
+    Example:
+        >>> with_averaged_copy_entry({"state_dict": {}}, [], lambda copy: {})
+        {'state_dict': {}}
+    """
+    copies = [
+        callback._average_model
+        for callback in callbacks
+        if isinstance(callback, WeightAveraging) and isinstance(callback._average_model, ShardedAveragedModel)
+    ]
+    if not copies or LIGHTNING_MOVED_WEIGHTS_KEY not in checkpoint:
+        return checkpoint
+    rest = {key: value for key, value in checkpoint.items() if key not in _LIGHTNING_AVERAGING_KEYS}
+    return {**rest, "state_dict": checkpoint[LIGHTNING_MOVED_WEIGHTS_KEY], AVERAGED_KEY: averaged_state(copies[0])}
 
 
 def averaged_copy_place(callbacks: list[Callback]) -> str | None:

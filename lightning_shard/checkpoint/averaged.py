@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import _recorded_layout, is_sharded_checkpoint
+from lightning_shard.checkpoint.io import _recorded_layout, locate
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 
@@ -36,17 +36,21 @@ def averaged_key(layout: StateLayout, holds: Collection[str]) -> str | None:
 
 
 def holds_averaged_copy(path: _PATH) -> bool:
-    """Whether the checkpoint at ``path`` (either format) holds an averaged copy; call on every rank (rank 0 alone
-    opens a full file). Every rank reaches the same answer, or raises the same error.
+    """Whether the checkpoint at ``path`` (either format) holds an averaged copy; call on every rank. Decided once,
+    by rank 0, as a load decides what it reads: after the saves in flight are published and a checkpoint an
+    interrupted publish moved aside is put back (:func:`~lightning_shard.checkpoint.io.locate`), then broadcast, so
+    that every rank gets the same answer (or the same error) whatever its own view of the filesystem.
+
+    Raises:
+        FileNotFoundError: on every rank, when rank 0 finds nothing at ``path``.
 
     Example:
         >>> holds_averaged_copy("out/last.ckpt")  # doctest: +SKIP
         True
     """
-    path = Path(path)
-    if is_sharded_checkpoint(path):
-        return bool(integrity.agreed(lambda: _sharded_holds(path)))
-    return bool(broadcast_object(integrity.agreed(lambda: _full_holds(path), rank() == 0)))
+    path, is_directory = locate(path)
+    holds = _sharded_holds if is_directory else _full_holds
+    return bool(broadcast_object(integrity.agreed(lambda: holds(path), rank() == 0)))
 
 
 def _sharded_holds(path: Path) -> bool:

@@ -61,8 +61,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shard.checkpoint import integrity
+from lightning_shard.checkpoint.extra_state import EXTRA_KEY, decode_extra, encode_extra
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, WORLD_SIZE_KEY, StateLayout, lookup
 from lightning_shard.checkpoint.model_parallel import model_parallel_layout, with_model_parallel_entries
+from lightning_shard.checkpoint.optimizer_state import saved_parameter_names, without_unsaved
 from lightning_shard.checkpoint.publish import delete, publish, publish_link, restore_interrupted, staging_path
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
@@ -176,7 +178,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.wait()  # the save before, perhaps to this very path, is published first
         _check_target(path)
         staging = staging_path(path)
-        tensor_keys = layout.tensor_keys()
+        checkpoint = encode_extra(checkpoint, layout.tensor_keys(), full=False)
+        tensor_keys = layout.tensor_keys() | {EXTRA_KEY}  # trees of tensors and bytes, which DCP flattens
         payload = {
             key: value if key in tensor_keys else _opaque(value) for key, value in _recorded(checkpoint, layout).items()
         }
@@ -239,6 +242,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self.wait()
         _check_target(path)
         staging = staging_path(path)
+        checkpoint = encode_extra(checkpoint, layout.tensor_keys(), full=True)
 
         def write() -> None:
             staging.parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +286,9 @@ class ShardedCheckpointIO(CheckpointIO):
         path, is_directory = locate(path)
         if is_directory:  # a directory without `.metadata` is named as such by the check
             integrity.check_sharded(path)
-            return read_sharded_keys(path)
-        return integrity.load_full_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+            return decode_extra(read_sharded_keys(path), None)
+        checkpoint = integrity.load_full_file(path, map_location=map_location or "cpu", weights_only=bool(weights_only))
+        return decode_extra(checkpoint, None)
 
     def load_into(
         self,
@@ -313,8 +318,10 @@ class ShardedCheckpointIO(CheckpointIO):
         # torch's own state-dict functions).
         with torch.no_grad(), gc_paused():
             if is_directory:  # sharded; a directory without `.metadata` is named as such by the check
-                return self._load_sharded(path, model, optimizers, strict, layout, set(absent), averaged or {})
-            return self._load_full(path, model, optimizers, strict, layout, set(absent), averaged or {})
+                rest = self._load_sharded(path, model, optimizers, strict, layout, set(absent), averaged or {})
+            else:
+                rest = self._load_full(path, model, optimizers, strict, layout, set(absent), averaged or {})
+        return decode_extra(rest, model)
 
     def load_raw_into(self, path: _PATH, model: nn.Module, strict: bool = True) -> None:
         """Load a file holding only a state dict (``torch.save(model.state_dict(), path)``) into the sharded
@@ -354,6 +361,10 @@ class ShardedCheckpointIO(CheckpointIO):
         saved_paths = [tuple((metadata.planner_data or {}).get(key, (key,))) for key in metadata.state_dict_metadata]
         if any(not any(saved_path[: len(source)] == source for saved_path in saved_paths) for source in sources):
             raise KeyError(f"The checkpoint {path} holds no optimizer states (saved with `weights_only=True`?).")
+        optimizer_states = [
+            without_unsaved(state, saved_parameter_names(saved_paths, source))
+            for source, state in zip(sources, optimizer_states, strict=True)
+        ]
         target: dict[str, Any] = {}
         set_element(target, (saved.model,), saved_state)
         for source, state in zip(sources, optimizer_states, strict=True):

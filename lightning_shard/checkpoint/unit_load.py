@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.optimizer_state import without_unsaved
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.devices import collective_device
 from lightning_shard.torch_compat import local_chunk, visible_name
@@ -96,6 +97,10 @@ def load_full_unit_by_unit(
             "that does not name them, such as Lightning's single-device or DDP): they cannot be matched to sharded "
             "parameters. Load its weights with `LightningModule.load_from_checkpoint(...)` and train from there."
         )
+    # Parameters the checkpoint holds no state for (no gradient before the save) get none.
+    live_states = [
+        without_unsaved(live, saved["state"]) for live, saved in zip(live_states, described["optimizers"], strict=False)
+    ]
     device = _broadcast_device()
 
     for unit_keys in unit_key_groups(model, model_state):
