@@ -192,7 +192,9 @@ def flipped_bytes(out: Path) -> dict[str, Any]:
         train_step(fabric, model, optimizer)
         extra = {"w_copy": torch.arange(6.0), "note": {"lr_history": [0.1, 0.05]}}
         fabric.save(path, {"model": model, "optimizer": optimizer, "extra": extra})
-        ranges = byte_ranges(path) if name == "sharded" else full_byte_ranges(path)
+        found = [(byte_ranges if name == "sharded" else full_byte_ranges)(path) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(found)  # rank 0's reading of the files: the flips are its own
+        ranges = found[0]
         for kind, spans in sorted(ranges.items()):
             offsets = [(file, start + (end - start) * i // OFFSETS_PER_ITEM_KIND) for i in range(OFFSETS_PER_ITEM_KIND)
                        for file, start, end in spans[i % len(spans) : i % len(spans) + 1]]  # fmt: skip

@@ -109,10 +109,12 @@ class InPlaceFileSystemReader(FileSystemReader):
         recorded = checksums.item_checksum(info)
         if recorded is not None:
             data_end = data_offset + buffer.numel() * buffer.element_size()
+            # The archive's bytes around the tensor's (its headers, ~1 KB) by offset: no seek of the buffered stream.
+            fd = data_stream.fileno()
             chunks = (
-                *checksums.file_range(archive_stream, info.offset, data_offset),
+                os.pread(fd, data_offset, info.offset),
                 _bytes_of(buffer),
-                *checksums.file_range(archive_stream, info.offset + data_end, info.length - data_end),
+                os.pread(fd, info.length - data_end, info.offset + data_end),
             )
             self._verify(item.storage_index, info, checksums.checksum_of(chunks, recorded))
         if not direct:
