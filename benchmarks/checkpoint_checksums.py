@@ -140,8 +140,8 @@ def main() -> None:
             "notes": [
                 f"hash: {checksums.ALGORITHM}; {gib:.2f} GiB checkpoint ({args.params:,} fp32 weights + 2 AdamW "
                 f"moments, {TENSORS} tensors each); best of {args.repeats} rounds after one untimed round.",
-                "The differences carry the noise of a shared machine (load average in the machine line); the "
-                "hashing alone is the least a checked load adds, whatever the disk.",
+                f"The differences carry the noise of a shared machine (load average {machine()['loadavg']} on "
+                f"{os.cpu_count()} cores); the hashing alone is the least a checked load adds, whatever the disk.",
             ],
         },
     }
