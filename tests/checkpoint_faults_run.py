@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import os
 import struct
 import subprocess
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint_safety_run import fabric_model, fabric_run, train_step  # noqa: E402
+from checkpoint_safety_run import fabric_model, fabric_run, report, train_step  # noqa: E402
 from toy import FULL  # noqa: E402
 
 from lightning_shard.checkpoint.publish import STAGING_DIR  # noqa: E402
@@ -83,35 +82,30 @@ def injected(code: int, on_rank: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def full_disk(folder: Path) -> Iterator[None]:
-    ballast = folder / "ballast"
+def on_rank_zero(make: Any, undo: Any) -> Iterator[None]:
+    """A fault rank 0 makes (``make()``) for every rank, and takes back (``undo()``) once every rank is past it."""
     if dist.get_rank() == 0:
-        with contextlib.suppress(OSError), open(ballast, "wb") as stream:
-            while True:
-                stream.write(b"\0" * 4096)
-                stream.flush()
+        make()
     dist.barrier()
     try:
         yield
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
-            ballast.unlink()
+            undo()
         dist.barrier()
 
 
-@contextlib.contextmanager
-def read_only(mount: Path) -> Iterator[None]:
-    if dist.get_rank() == 0:
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-    dist.barrier()
-    try:
-        yield
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            subprocess.run(["mount", "-o", "remount,rw", str(mount)], check=True)
-        dist.barrier()
+def fill(folder: Path) -> None:
+    """Write a ballast file until the filesystem is full."""
+    with contextlib.suppress(OSError), open(folder / "ballast", "wb") as stream:
+        while True:
+            stream.write(b"\0" * 4096)
+            stream.flush()
+
+
+def remount(mount: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mount)], check=True)
 
 
 def failed_saves(out: Path, tmpfs: Path | None) -> dict[str, Any]:
@@ -130,7 +124,10 @@ def failed_saves(out: Path, tmpfs: Path | None) -> dict[str, Any]:
         if name == "full":  # rank 0 alone writes a full checkpoint
             faults = {"EIO": injected(errno.EIO, 0), "EACCES": injected(errno.EACCES, 0)}
         if tmpfs is not None:
-            faults.update(ENOSPC=full_disk(tmpfs), EROFS=read_only(tmpfs))
+            faults.update(
+                ENOSPC=on_rank_zero(lambda: fill(tmpfs), (tmpfs / "ballast").unlink),
+                EROFS=on_rank_zero(lambda: remount(tmpfs, "ro"), lambda: remount(tmpfs, "rw")),
+            )
         for fault, context in faults.items():
             with context:
                 raised = error_of(save_and_wait, fabric, path, {"model": model, "optimizer": optimizer})
@@ -219,11 +216,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tmpfs", type=Path, default=None)
     args = parser.parse_args()
-    results = {"failed_saves": failed_saves(args.out, args.tmpfs), "flipped_bytes": flipped_bytes(args.out)}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(gathered), flush=True)
+    report({"failed_saves": failed_saves(args.out, args.tmpfs), "flipped_bytes": flipped_bytes(args.out)})
 
 
 if __name__ == "__main__":
