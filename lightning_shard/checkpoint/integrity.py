@@ -149,6 +149,8 @@ def check_full_file(path: str | os.PathLike) -> None:
         found = checksums.full_file_checksums(path)
     except OSError:
         return  # unreadable: torch.load names the problem
+    except ValueError as error:  # the checksum's algorithm name is damaged (or xxhash is missing)
+        raise CheckpointIntegrityError(f"Damaged checkpoint file {path}: {error}") from error
     if found is None:
         if rank() == 0:
             checksums.warn_unchecked(str(path))
