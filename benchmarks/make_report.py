@@ -29,6 +29,7 @@ EXPECTED = {
     "tensor_parallel": "python benchmarks/tensor_parallel.py",
     "activation_checkpointing": "python benchmarks/activation_checkpointing.py",
     "checkpoint_io": "python benchmarks/checkpoint_io.py",
+    "checkpoint_checksums": "python benchmarks/checkpoint_checksums.py",
     "meta_build": "python benchmarks/meta_build.py",
     "init_rule": "python benchmarks/init_rule.py",
     "hf_loading": "python benchmarks/hf_loading.py",

@@ -65,6 +65,10 @@ def visible_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in HIDDEN_MODULE_NAMES)
 
 
+# Where torch.distributed.checkpoint's ``FileSystemReader.read_data`` reads each stored item from its file: a subclass
+# that overrides it sees every item's bytes (lightning_shard.checkpoint.reader verifies their checksums there).
+DCP_READER_SLICE_HOOK = "_slice_file"
+
 # The per-request hook of torch.distributed.checkpoint's ``HuggingFaceStorageReader.read_data``: a subclass that
 # overrides it reads each request its own way (lightning_shard.hf's slice reader).
 HF_READER_REQUEST_HOOK = "_process_read_request"
@@ -183,14 +187,15 @@ def foreach_form(avg_fn: Callable[..., Any] | None) -> Callable[..., Any] | None
 # ---------------------------------------------------------------------------------------------------- DCP
 
 
-def load_state_dict_from_keys(keys: set[str] | None, checkpoint_id: str) -> dict[str, Any]:
-    """Read ``keys`` (all if ``None``) of a DCP checkpoint whole into this process, with no state dict to load into.
+def load_state_dict_from_keys(keys: set[str] | None, checkpoint_id: str, reader: Any = None) -> dict[str, Any]:
+    """Read ``keys`` (all if ``None``) of a DCP checkpoint whole into this process, with no state dict to load into;
+    ``reader``: its ``StorageReader`` (default: a ``FileSystemReader``).
 
     Example:
         >>> load_state_dict_from_keys({"global_step"}, "out/last.ckpt")  # doctest: +SKIP
         {'global_step': 200}
     """
-    return _load_state_dict_from_keys(keys=keys, checkpoint_id=checkpoint_id)
+    return _load_state_dict_from_keys(keys=keys, checkpoint_id=checkpoint_id, storage_reader=reader)
 
 
 def local_chunk(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

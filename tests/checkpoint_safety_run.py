@@ -255,6 +255,11 @@ def main() -> None:
     for scenario in SCENARIOS:
         if not args.only or scenario.__name__ in args.only:
             results[scenario.__name__] = scenario(args.out)
+    report(results)
+
+
+def report(results: dict[str, Any]) -> None:
+    """Print every rank's ``results`` on rank 0 as ``RESULT <json>`` (call on every rank)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

@@ -92,7 +92,7 @@ def test_convert_never_replaces_what_appears_at_its_output(
         writes, name = dcp, "save"
     else:
         ShardedCheckpointIO().save_sharded(checkpoint, source)
-        writes, name = convert_module, "dcp_to_torch_save"
+        writes, name = convert_module, "write_full_file"
     write = getattr(writes, name)
 
     def write_then_someone_fills_the_output(*args: Any, **kwargs: Any) -> None:

@@ -172,6 +172,14 @@ def test_hf_reader_keeps_the_request_hook_the_slice_reader_overrides() -> None:
         torch_compat.check_hf_reader_hook(dcp.FileSystemReader)
 
 
+def test_filesystem_reader_reads_every_item_through_the_slice_hook_the_checksummed_reader_overrides() -> None:
+    from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
+
+    hook = torch_compat.DCP_READER_SLICE_HOOK
+    assert callable(getattr(dcp.FileSystemReader, hook))
+    assert getattr(InPlaceFileSystemReader, hook) is not getattr(dcp.FileSystemReader, hook)
+
+
 # ------------------------------------------------------------------------------------------- dispatch
 
 

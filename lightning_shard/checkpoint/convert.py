@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import integrity
@@ -21,6 +20,7 @@ from lightning_shard.checkpoint.io import (
 )
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, WORLD_SIZE_KEY, StateLayout
 from lightning_shard.checkpoint.publish import discard, publish, staging_path
+from lightning_shard.checkpoint.writer import write_full_file
 
 
 def convert(src: Path, dst: Path) -> str:
@@ -43,7 +43,10 @@ def convert(src: Path, dst: Path) -> str:
         staging = staging_path(dst, shared=False)
         staging.parent.mkdir(parents=True, exist_ok=True)
         try:
-            dcp_to_torch_save(src, staging)
+            # What torch's `dcp_to_torch_save` does (every entry read whole into this process, then `torch.save`),
+            # through the checksummed reader and writer: a damaged shard stops it, the file carries its checksum.
+            integrity.check_sharded(src)
+            write_full_file(read_sharded_keys(src), staging)
             publish(staging, dst, replace=False)
         finally:
             discard(staging)  # left there only if something failed

@@ -4,8 +4,12 @@ Run before ``dcp.load`` / the full-file broadcast, on every rank, and agreed ove
 raises the same :class:`CheckpointIntegrityError` (no rank is left waiting in a collective the others never
 reach).
 
-* sharded: ``.metadata`` readable; every storage file it references present and long enough for its byte ranges.
-* full: the file unpickles (``torch.load`` errors re-raised naming the file).
+* sharded: ``.metadata`` readable and matching the checksum it ends with; every storage file it references present
+  and long enough for its byte ranges (each item's checksum is verified as it is read, by the reader).
+* full: the file matches the checksum in its zip comment (on a mismatch, the damaged records - tensors - are
+  named), and unpickles (``torch.load`` errors re-raised naming the file).
+* both: a checkpoint written without checksums loads with one warning
+  (:mod:`~lightning_shard.checkpoint.checksums`).
 * both: the saved weights' tensor names and shapes against the model's (missing / unexpected keys only under
   strict loading; mis-shaped keys always).
 """
@@ -21,7 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_shard.checkpoint import checksums
+from lightning_shard.checkpoint.ranks import rank
 
 _METADATA = ".metadata"
 _MAX_LISTED = 8
@@ -46,6 +54,17 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     """
     file = Path(path) / _METADATA
     try:
+        data = file.read_bytes()
+        problem = checksums.metadata_problem(data)
+    except OSError as error:
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint metadata {file}: {problem}. The checkpoint cannot be read; load an earlier one."
+        )
+    if not checksums.is_sealed_metadata(data) and rank() == 0:
+        checksums.warn_unchecked(str(path))
+    try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as error:  # unpickling raises anything from EOFError to UnpicklingError to ValueError
         raise CheckpointIntegrityError(
@@ -56,6 +75,12 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         raise CheckpointIntegrityError(
             f"Damaged checkpoint metadata {file}: holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
             "Metadata. The checkpoint cannot be read; load an earlier one."
+        )
+    checked_items = any(checksums.item_checksum(info) for info in (metadata.storage_data or {}).values())
+    if checked_items and not checksums.is_sealed_metadata(data):
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint metadata {file}: its items have checksums, but the line with its own is damaged. "
+            "The checkpoint cannot be read as it is; load an earlier one."
         )
     return metadata
 
@@ -104,13 +129,39 @@ def check_sharded(path: str | os.PathLike) -> Metadata:
 
 
 def load_full_file(path: str | os.PathLike, **kwargs: Any) -> Any:
-    """``torch.load(path, **kwargs)`` with any unpickling failure naming the file."""
+    """:func:`check_full_file`, then ``torch.load(path, **kwargs)`` with any unpickling failure naming the file."""
+    check_full_file(path)
     try:
         return torch.load(path, **kwargs)
     except Exception as error:
         raise CheckpointIntegrityError(
             f"Damaged checkpoint file {path}: torch.load failed with {type(error).__name__}: {error}"
         ) from error
+
+
+def check_full_file(path: str | os.PathLike) -> None:
+    """The full checkpoint file at ``path`` matches the checksum in its zip comment; one warning if it has none.
+
+    Raises:
+        CheckpointIntegrityError: it does not, naming the file and the records (tensors) whose bytes differ.
+    """
+    try:
+        found = checksums.full_file_checksums(path)
+    except OSError:
+        return  # unreadable: torch.load names the problem
+    except ValueError as error:  # the checksum's algorithm name is damaged (or xxhash is missing)
+        raise CheckpointIntegrityError(f"Damaged checkpoint file {path}: {error}") from error
+    if found is None:
+        if rank() == 0:
+            checksums.warn_unchecked(str(path))
+        return
+    recorded, actual = found
+    if actual != recorded:
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint file {path}: its bytes do not match the checksum written at save ({actual} read, "
+            f"{recorded} written); damaged: {_listed(checksums.damaged_records(path))}. The checkpoint cannot be "
+            "loaded as it is; load an earlier one."
+        )
 
 
 def full_model_shapes(
@@ -206,10 +257,18 @@ def agreed(check: Callable[[], T], here: bool = True) -> T | None:
     if here:
         try:
             result = check()
-        except Exception as caught:
-            error = caught
+        except (Exception, CheckpointException) as caught:  # DCP wraps a reader's error in the latter
+            error = unwrapped(caught)
     agree(error)
     return result
+
+
+def unwrapped(error: BaseException) -> BaseException:
+    """The :class:`CheckpointIntegrityError` that a ``dcp.load`` wrapped into a ``CheckpointException``, else
+    ``error``."""
+    failures = error.failures.values() if isinstance(error, CheckpointException) else ()
+    found = [failure for failure, _ in failures if isinstance(failure, CheckpointIntegrityError)]
+    return found[0] if found else error
 
 
 def agree(error: BaseException | None) -> None:

@@ -45,6 +45,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -65,11 +66,19 @@ from lightning_shard.checkpoint.extra_state import EXTRA_KEY, decode_extra, enco
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, WORLD_SIZE_KEY, StateLayout, lookup
 from lightning_shard.checkpoint.model_parallel import model_parallel_layout, with_model_parallel_entries
 from lightning_shard.checkpoint.optimizer_state import saved_parameter_names, without_unsaved
-from lightning_shard.checkpoint.publish import delete, publish, publish_link, restore_interrupted, staging_path
+from lightning_shard.checkpoint.publish import (
+    clean_leftovers,
+    delete,
+    publish,
+    publish_link,
+    staging_path,
+)
 from lightning_shard.checkpoint.ranks import barrier, broadcast_object, rank, world_size
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
+from lightning_shard.checkpoint.save_errors import discard_partial, save_failure, saving
 from lightning_shard.checkpoint.target import Found, Target
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
+from lightning_shard.checkpoint.writer import ChecksummedFileSystemWriter, write_full_file
 from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
 
@@ -187,9 +196,10 @@ class ShardedCheckpointIO(CheckpointIO):
         if self.async_save:
             self._save_in_background(payload, staging, path, layout.model)
             return
-        dcp.save(payload, checkpoint_id=staging)
-        barrier()
-        _by_rank_zero(lambda: publish(staging, path))
+        with saving(path, staging):
+            dcp.save(payload, storage_writer=ChecksummedFileSystemWriter(staging))
+            barrier()
+            _by_rank_zero(lambda: publish(staging, path))
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
         if self._async_group is None and _distributed_is_initialized():
@@ -208,7 +218,10 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         save = _BackgroundSave(staging, path, self._async_group)
         written = dcp.async_save(
-            payload, checkpoint_id=staging, process_group=self._async_group, async_stager=self._stager
+            payload,
+            storage_writer=ChecksummedFileSystemWriter(staging),
+            process_group=self._async_group,
+            async_stager=self._stager,
         )
         written.add_done_callback(save.publish)
         self._in_flight = save
@@ -246,10 +259,11 @@ class ShardedCheckpointIO(CheckpointIO):
 
         def write() -> None:
             staging.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(_recorded(checkpoint, layout), staging)
+            write_full_file(_recorded(checkpoint, layout), staging)
             publish(staging, path)
 
-        _by_rank_zero(write)
+        with saving(path, staging):
+            _by_rank_zero(write)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -569,7 +583,10 @@ def read_sharded_keys(path: _PATH, keys: set[str] | None = None) -> dict[str, An
     with warnings.catch_warnings():
         # Reading into one process without a process group is the point here, not an accident.
         warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
-        return load_state_dict_from_keys(keys, str(path))
+        try:
+            return load_state_dict_from_keys(keys, str(path), InPlaceFileSystemReader(path))
+        except CheckpointException as error:  # a damaged item: the reader's error naming it
+            raise integrity.unwrapped(error) from None
 
 
 def _holds_shards(checkpoint: dict[str, Any]) -> bool:
@@ -609,7 +626,7 @@ def locate(path: _PATH) -> tuple[Path, bool]:
 
 
 def _is_directory_here(path: Path) -> bool | None:
-    restore_interrupted(path)
+    clean_leftovers(path)
     return path.is_dir() if path.exists() else None
 
 
@@ -638,7 +655,7 @@ def _check_target(path: Path) -> None:
 
 
 def _target_here(path: Path) -> Target:
-    restore_interrupted(path)
+    clean_leftovers(path)
     return Target.at(path)
 
 
@@ -679,8 +696,9 @@ class _BackgroundSave:
             error = RuntimeError(f"Rank 0 could not write or publish the checkpoint {self.path}: {message}")
         if error is None:
             self.published.set_result(None)
-        else:
-            self.published.set_exception(error)
+        else:  # every rank's writes are over: DCP's collectives ended the save on all of them
+            discard_partial(self.staging)
+            self.published.set_exception(save_failure(error, self.path))
 
     def then(self, action: Callable[[], None]) -> None:
         """Run ``action`` (rank 0) once rank 0 has published this save: right after the publish, in the background

@@ -38,6 +38,8 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 # The kernel, libc or filesystem cannot exchange: fall back to moving aside.
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV}
+# Staging entries: a save being written (`NAME.tmp-XXXXXXXX`), a checkpoint replaced or moved aside (`NAME.old-...`).
+_KINDS = ("tmp", "old")
 
 
 def staging_path(path: Path, shared: bool = True) -> Path:
@@ -99,7 +101,7 @@ def publish(staging: Path, path: Path, replace: bool = True) -> None:
         if os.path.lexists(path) and (_is_directory(path) or _is_directory(staging)):
             os.replace(path, retired)  # a file over a file or a link needs no move
         os.replace(staging, path)
-    for leftover in _leftovers(path, ("tmp", "old")):
+    for leftover in _leftovers(path, _KINDS):
         delete(leftover)
     discard(retired)
 
@@ -141,16 +143,38 @@ def restore_interrupted(path: Path) -> bool:
 
 
 def restore_interrupted_in(directory: Path) -> list[Path]:
-    """:func:`restore_interrupted` for every checkpoint name that has a moved-aside copy in ``directory``'s staging
-    folder: what a launch runs before Lightning scans the folder for checkpoints; the paths restored.
+    """:func:`clean_leftovers` for every checkpoint name that has something in ``directory``'s staging folder: what
+    a launch runs before Lightning scans the folder for checkpoints; the paths restored.
 
     Example:
         >>> restore_interrupted_in(Path("ckpts"))  # doctest: +SKIP
         [PosixPath('ckpts/last.ckpt')]
     """
     staging = Path(directory) / STAGING_DIR
-    names = {entry.name.rsplit(".old-", 1)[0] for entry in staging.glob("*.old-*")} if staging.is_dir() else set()
-    return [Path(directory) / name for name in sorted(names) if restore_interrupted(Path(directory) / name)]
+    entries = [entry.name.rsplit(".", 1) for entry in staging.glob("*.*-*")] if staging.is_dir() else []
+    names = {name for name, kind in entries if kind.split("-", 1)[0] in _KINDS}
+    return [Path(directory) / name for name in sorted(names) if clean_leftovers(Path(directory) / name)]
+
+
+def clean_leftovers(path: Path) -> bool:
+    """Put back a checkpoint an interrupted publish moved aside (:func:`restore_interrupted`), then delete what
+    saves of ``path`` killed or failed earlier left in the staging folder (half-written saves, replaced checkpoints
+    not yet deleted); whether a checkpoint was put back. Run by rank 0 when a save or a load of ``path`` starts,
+    once the saves in flight in this process are over, and at launch: nothing else may be writing this name then.
+
+    Example:
+        >>> clean_leftovers(Path("ckpts/last.ckpt"))  # doctest: +SKIP
+        False
+    """
+    restored = restore_interrupted(path)
+    leftovers = _leftovers(path, _KINDS) if os.path.lexists(path) else _leftovers(path, ("tmp",))
+    for leftover in leftovers:
+        with contextlib.suppress(OSError):  # a read-only filesystem: left for a later attempt
+            delete(leftover)
+    if leftovers:
+        with contextlib.suppress(OSError):
+            (path.parent / STAGING_DIR).rmdir()
+    return restored
 
 
 def _leftovers(path: Path, kinds: tuple[str, ...]) -> list[Path]:

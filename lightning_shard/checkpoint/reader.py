@@ -11,12 +11,17 @@ target needs (same chunking, so no resharding) and the archive holds one contigu
 shape; anything else - resharding, byte items, transformed (e.g. compressed) storage, another layout - goes through
 ``FileSystemReader`` unchanged. Same files, same format.
 
-It also takes the ``Metadata`` the integrity check has already read, so a load reads ``.metadata`` once.
+It also takes the ``Metadata`` the integrity check has already read, so a load reads ``.metadata`` once, and
+verifies the checksum of every stored item it reads (:mod:`~lightning_shard.checkpoint.checksums`): a damaged byte
+raises :class:`~lightning_shard.checkpoint.integrity.CheckpointIntegrityError` naming the file and the tensor or
+object it holds. Items read in place are hashed from their target's memory and their archive's few header bytes;
+the others as ``FileSystemReader`` slices them (``_slice_file``, see ``torch_compat.DCP_READER_SLICE_HOOK``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import sys
 from dataclasses import dataclass
@@ -28,6 +33,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from lightning_shard.checkpoint import checksums
+from lightning_shard.checkpoint.integrity import CheckpointIntegrityError
 from lightning_shard.torch_compat import PyTorchFileReader, file_view
 
 _STORAGE_RECORD = "data/0"  # the one storage of a one-tensor ``torch.save`` archive
@@ -50,6 +57,7 @@ class InPlaceFileSystemReader(FileSystemReader):
         self._metadata = metadata
         # (archive length, dtype, shape) -> the layout of a plain archive of that kind opened before.
         self._layouts: dict[tuple[int, torch.dtype, tuple[int, ...]], _Layout] = {}
+        self._names: dict[tuple[str, int], MetadataIndex] | None = None  # (file, offset) -> the item stored there
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None or args or kwargs:
@@ -98,10 +106,45 @@ class InPlaceFileSystemReader(FileSystemReader):
         direct = target.device.type == "cpu" and target.dtype == entry.properties.dtype and target.is_contiguous()
         buffer = target if direct else torch.empty(sizes, dtype=entry.properties.dtype)
         _read_exactly(data_stream, info.offset + data_offset, buffer)
+        recorded = checksums.item_checksum(info)
+        if recorded is not None:
+            data_end = data_offset + buffer.numel() * buffer.element_size()
+            # The archive's bytes around the tensor's (its headers, ~1 KB) by offset: no seek of the buffered stream.
+            fd = data_stream.fileno()
+            chunks = (
+                os.pread(fd, data_offset, info.offset),
+                _bytes_of(buffer),
+                os.pread(fd, info.length - data_end, info.offset + data_end),
+            )
+            self._verify(item.storage_index, info, checksums.checksum_of(chunks, recorded))
         if not direct:
             target.copy_(buffer)
         planner.commit_tensor(item, target)
         return True
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        """The stored item at ``sinfo``, read whole and verified (``FileSystemReader`` reads it from this)."""
+        data = b"".join(checksums.file_range(file, sinfo.offset, sinfo.length))
+        recorded = checksums.item_checksum(sinfo)
+        if recorded is not None:
+            if self._names is None:
+                self._names = {(i.relative_path, i.offset): index for index, i in self.storage_data.items()}
+            index = self._names.get((sinfo.relative_path, sinfo.offset))
+            self._verify(index, sinfo, checksums.checksum_of([data], recorded))
+        return io.BytesIO(data)
+
+    def _verify(self, index: MetadataIndex | None, info: Any, actual: str) -> None:
+        recorded = checksums.item_checksum(info)
+        if actual == recorded:
+            return
+        what = "an item" if index is None else repr(index.fqn)
+        if index is not None and index.offset is not None and any(index.offset):
+            what += f" (its chunk at {tuple(index.offset)})"
+        raise CheckpointIntegrityError(
+            f"Damaged checkpoint file {os.path.join(self.path, info.relative_path)}: bytes {info.offset} to "
+            f"{info.offset + info.length} hold {what} and do not match the checksum written at save ({actual} read, "
+            f"{recorded} written). The checkpoint cannot be loaded as it is; load an earlier one."
+        )
 
     def _plain_data_offset(
         self, stream: Any, offset: int, length: int, dtype: torch.dtype, sizes: torch.Size
@@ -170,8 +213,12 @@ def _saved_chunk_sizes(entry: TensorStorageMetadata, index: MetadataIndex) -> to
     return None
 
 
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def _read_exactly(stream: Any, offset: int, tensor: torch.Tensor) -> None:
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    view = _bytes_of(tensor)
     stream.seek(offset)
     done = 0
     while done < len(view):
