@@ -19,6 +19,7 @@ load balancing).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -145,6 +146,9 @@ def run_family(family: str, devices: int, reference: bool, out: Path, result: di
     _, module, states = fit(family, "init", devices, reference, STEPS + RESUMED_STEPS, ckpt_path=checkpoint)
     result.update(resumed_losses=step_losses(module, reference), resumed_start=states["start"])
     result.update(phase="done", seconds=time.monotonic() - started)
+    dist.barrier()  # both ranks have read it
+    if dist.get_rank() == 0:
+        shutil.rmtree(checkpoint, ignore_errors=True)  # 2 MB a family: not kept for 90
 
 
 def main() -> None:
