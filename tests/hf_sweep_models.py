@@ -80,13 +80,15 @@ class Family:
 # The families by category: transformers' model types.
 CATEGORIES = {
     "decoder": "llama mistral qwen2 qwen3 gemma gemma2 phi phi3 gpt2 gpt_neo gpt_neox gptj opt bloom falcon stablelm "
-    "starcoder2 olmo2 cohere codegen persimmon mpt biogpt xglm granite glm",
-    "moe": "mixtral qwen2_moe qwen3_moe olmoe granitemoe phimoe jetmoe deepseek_v2",
-    "state-space": "mamba falcon_mamba mamba2 rwkv jamba",
+    "starcoder2 olmo2 cohere codegen persimmon mpt biogpt xglm granite glm gpt_bigcode nemotron",
+    "moe": "mixtral qwen2_moe qwen3_moe olmoe granitemoe phimoe jetmoe deepseek_v2 hunyuan_v1_moe",
+    "state-space": "mamba falcon_mamba mamba2 rwkv jamba bamba",
     "encoder": "bert roberta modernbert albert distilbert electra deberta deberta-v2 xlm-roberta mpnet convbert "
-    "megatron-bert roformer ernie",
-    "encoder-decoder": "t5 bart pegasus mbart marian mt5 umt5 blenderbot m2m_100 plbart switch_transformers nllb-moe",
-    "vision": "vit deit beit resnet regnet dinov2 poolformer segformer pvt swin convnext",
+    "megatron-bert roformer ernie squeezebert fnet longformer big_bird",
+    "encoder-decoder": "t5 bart pegasus mbart marian mt5 umt5 blenderbot m2m_100 plbart switch_transformers nllb-moe "
+    "longt5 prophetnet",
+    "vision": "vit deit beit resnet regnet dinov2 poolformer segformer pvt swin convnext convnextv2 swinv2 bit levit "
+    "cvt ijepa",
     "speech": "wav2vec2 hubert wavlm data2vec-audio sew unispeech wav2vec2-conformer whisper",
     "multimodal": "clip siglip chinese_clip altclip blip clipseg",
 }
@@ -104,9 +106,16 @@ CONFIG_FIXES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "distilbert": {"hidden_dim": 64},
-    **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers"], {"decoder_start_token_id": 0}),
-    "swin": {"depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 4},
-    "convnext": {"patch_size": 2},
+    **dict.fromkeys(["t5", "mt5", "umt5", "switch_transformers", "longt5"], {"decoder_start_token_id": 0}),
+    **dict.fromkeys(["swin", "swinv2"], {"depths": [1, 1], "num_heads": [2, 2], "window_size": 4, "patch_size": 4}),
+    **dict.fromkeys(["convnext", "convnextv2"], {"patch_size": 2}),
+    "bit": {"num_groups": 2},
+    "levit": {"hidden_sizes": [32, 32, 32], "num_attention_heads": [2, 2, 2], "key_dim": [8, 8, 8], "patch_size": 16},
+    "cvt": {"embed_dim": [16, 32, 32], "num_heads": [2, 2, 2]},
+    "squeezebert": {"embedding_size": 32},
+    "bamba": {"mamba_n_heads": 4, "mamba_d_head": 16, "attn_layer_indices": [1]},
+    "longformer": {"attention_window": 4},
+    "big_bird": {"attention_type": "original_full"},
 }
 FAMILIES: dict[str, Family] = {
     name: Family(name, category, CONFIG_FIXES.get(name, {}))
@@ -132,8 +141,8 @@ def shrink(config_class: type, overrides: dict[str, Any]) -> Any:
             values[key] = CAPS[key]
         elif key in TOKEN_IDS and isinstance(default, int) and default >= VOCAB:
             values[key] = TOKEN_IDS[key]
-        elif isinstance(default, float) and any(word in key for word in STOCHASTIC):
-            values[key] = 0.0
+        elif any(word in key for word in STOCHASTIC) and isinstance(default, (float, list)):
+            values[key] = [0.0] * len(default) if isinstance(default, list) else 0.0  # CvT: one rate per stage
         elif key == "hidden_sizes":
             values[key] = [16 * 2 ** min(i, 1) for i in range(len(default))]
         elif key == "depths":

@@ -34,10 +34,11 @@ NO_OPTIMIZER_STATE = "a parameter that never had a gradient has no optimizer sta
 KNOWN: dict[str, str] = {
     **dict.fromkeys(["bert", "roberta", "modernbert", "xlm-roberta"], SPLIT_TIE),
     **dict.fromkeys("t5 mt5 umt5 switch_transformers bart mbart plbart pegasus marian".split(), SHARED_EMBEDDING),
-    **dict.fromkeys(["blenderbot", "m2m_100", "nllb-moe"], SHARED_EMBEDDING),
+    **dict.fromkeys(["blenderbot", "m2m_100", "nllb-moe", "longt5", "prophetnet"], SHARED_EMBEDDING),
     **dict.fromkeys(["clip", "chinese_clip", "altclip", "clipseg"], SCALAR_HOOK),
-    **dict.fromkeys(["resnet", "regnet"], BATCH_NORM),
-    **dict.fromkeys(["dinov2", "wav2vec2-conformer", "blip"], NO_OPTIMIZER_STATE),
+    **dict.fromkeys(["resnet", "regnet", "levit", "cvt"], BATCH_NORM),
+    # unused in the task's forward: dinov2's mask_token, poolers of masked-LM models, Longformer's global attention
+    **dict.fromkeys("dinov2 wav2vec2-conformer blip squeezebert fnet longformer big_bird".split(), NO_OPTIMIZER_STATE),
 }
 
 
