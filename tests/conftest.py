@@ -52,7 +52,7 @@ def load(results: dict[str, Path], run: str, scenario: str) -> dict[str, Any]:
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """The largest elementwise difference between two state dicts of the same names."""
     assert a.keys() == b.keys(), f"parameter names differ: {sorted(a.keys() ^ b.keys())}"
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=0.0)
 
 
 def assert_matches_reference(run: dict[str, Any], reference: dict[str, Any], tolerance: float) -> None:
