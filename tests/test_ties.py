@@ -110,6 +110,7 @@ def test_what_is_attached_to_a_meta_parameter_is_on_the_live_one_after_setup(mes
     model.scale.register_post_accumulate_grad_hook(lambda p: seen.append(float(p.grad)))
     model.scale._is_hf_initialized = True
     model.proj.weight._is_hf_initialized = True
+    model.proj.weight.register_hook(lambda grad: grad)  # carried to the sharded DTensor: harmless there
     parallelize_module(
         model,
         mesh,
