@@ -59,6 +59,7 @@ from lightning_shard.replay import (
     write_shards,
 )
 from lightning_shard.skipped_draws import SKIPPED
+from lightning_shard.ties import find_ties, retie
 from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
 from lightning_shard.unset import fill_unset, holds_only_unset, holds_unset, uninitialized_memory_filled
 
@@ -179,7 +180,9 @@ def materialize_sharded_module(
     logs = construction_logs(root)
     libraries = [model for library in _LIBRARIES for model in library.claim(root, logs)]
     plan = _InitPlan(root, logs, libraries)
+    ties = find_ties(root)
     allocated = _allocate_meta_tensors(root, device, buffer_device or device)
+    retie(root, ties)  # a plain parameter reallocated module by module is a new object in each holder
     for module in root.modules():
         if isinstance(module, FSDPModule):
             reregister_sharded_parameters(module)
@@ -538,6 +541,8 @@ class FullSizeParameters:
         # kept, so that no later one takes a storage's address)
         self.stand_ins: dict[int, tuple[HolderKey, torch.Tensor]] = {}
         self._initialized: set[int] = set()
+        # places whose parameter the eager build replaced after the running init (a later tie): it writes scratch
+        self.replaced_later: set[HolderKey] = set()
         # module id -> {name: (the module's own parameter, whether its full-size stand-in is scratch)}
         self._pending: dict[int, dict[str, tuple[nn.Parameter, bool]]] = {}
 
@@ -556,7 +561,8 @@ class FullSizeParameters:
             return
         swapped = {}
         for name, param in module.named_parameters(recurse=False):
-            scratch = id(param) in self._initialized or param.is_meta
+            replaced = (id(module), "_parameters", name) in self.replaced_later
+            scratch = id(param) in self._initialized or param.is_meta or replaced
             if not (isinstance(param, DTensor) or scratch) or self.keep(param):
                 continue
             full = torch.empty(param.shape, dtype=param.dtype, device=self.device)
@@ -572,7 +578,9 @@ class FullSizeParameters:
         """Call once ``module``'s init has run: later modules sharing its parameters get scratch tensors."""
         swapped = self._pending.get(id(module), {})
         self._initialized.update(
-            id(swapped[name][0] if name in swapped else param) for name, param in module.named_parameters(recurse=False)
+            id(swapped[name][0] if name in swapped else param)
+            for name, param in module.named_parameters(recurse=False)
+            if (id(module), "_parameters", name) not in self.replaced_later
         )
 
     def write_back(self, module: nn.Module) -> None:

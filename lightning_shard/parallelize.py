@@ -26,6 +26,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from lightning_shard.activation_checkpointing import SELECTIVE, selective_context_fn
+from lightning_shard.attached import AttachedState
 from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
 from lightning_shard.direct_calls import gather_root_for_direct_calls
@@ -33,6 +34,7 @@ from lightning_shard.materialize import has_meta_tensors, materialize_sharded_mo
 from lightning_shard.meta_window import end_meta_window, refuse_changes_after_recording
 from lightning_shard.replicated import replicate_unshardable_parameters, unshardable_parameters
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
+from lightning_shard.ties import Tie, check_ties, find_ties
 from lightning_shard.torch_compat import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
@@ -77,8 +79,12 @@ def parallelize_module(
     end_meta_window()  # what runs from here (sharding) is no construction of the model's
     refuse_changes_after_recording(model)
     meta = has_meta_tensors(model)
+    # what the model as built ties and attaches to its tensors: sharding and materialisation make new tensors
+    ties, attached = find_ties(model), AttachedState.of(model)
     if sharded_by_hand(model):
-        return _keep_sharding_by_hand(model, device, offload_policy, forward_methods, meta)
+        units = _keep_sharding_by_hand(model, device, offload_policy, forward_methods, meta)
+        _carry_through_setup(model, ties, attached)
+        return units
     # What was built for real exists on every rank (the whole model, or a head beside a body built on the meta device);
     # make the replicas identical before each keeps its shard, as DDP does when it wraps a model.
     _broadcast_from_rank_zero(model, device)
@@ -87,7 +93,7 @@ def parallelize_module(
         apply_tensor_parallel_plan(model, mesh[TENSOR_PARALLEL_DIM], config.tensor_parallel_plan)
         mesh = mesh[tuple(name for name in names if name != TENSOR_PARALLEL_DIM)]  # FSDP's: the data-parallel dims
     units = _planned_units(model, config.auto_wrap_policy, "auto_wrap_policy")
-    checkpointed = _planned_units(model, config.checkpointed_blocks, "activation_checkpointing")
+    checkpointed = _planned_units(model, config.checkpointed_blocks, "activation_checkpointing", shards=False)
     selective = config.activation_checkpointing == SELECTIVE
     context_fn = selective_context_fn(config.selective_checkpointing_ops) if selective else None
     wrappers = _apply_activation_checkpointing(model, checkpointed, context_fn)
@@ -128,14 +134,23 @@ def parallelize_module(
 
     if meta:
         _materialize(model, device, offload_policy)
-    replicate_unshardable_parameters(model, [param for _, param in replicated], mesh, device)
+    _carry_through_setup(model, ties, attached)
+    # the parameters live now, not those `unshardable_parameters` saw: materialisation may have replaced them
+    live = dict(model.named_parameters())
+    replicate_unshardable_parameters(model, [live[name] for name, _ in replicated], mesh, device)
     setattr(model, _PARALLELIZED, True)
     return units
 
 
-def _planned_units(model: nn.Module, policy: Any, argument: str) -> list[nn.Module]:
+def _carry_through_setup(model: nn.Module, ties: list[Tie], attached: AttachedState) -> None:
+    """Put what was attached to the model's tensors on the tensors that train, and refuse a tie that did not survive."""
+    attached.restore(model)
+    check_ties(model, ties)
+
+
+def _planned_units(model: nn.Module, policy: Any, argument: str, shards: bool = True) -> list[nn.Module]:
     """The modules ``policy`` selects, saying on rank 0 what it had to leave out and when "auto" found no block."""
-    plan = plan_units(model, policy, argument)
+    plan = plan_units(model, policy, argument, shards)
     if plan.note:
         rank_zero_info(plan.note)
     if plan.left_out:

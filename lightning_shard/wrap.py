@@ -15,7 +15,9 @@ Whatever the policy, a module that cannot be a unit is left to the unit around i
 (``fully_shard`` refuses it) and a module whose insides an enclosing module's code reads without calling it
 (``nn.MultiheadAttention`` hands ``self.out_proj.weight`` to its attention function; FSDP2 gathers a unit's
 parameters only around its own call; see :mod:`lightning_shard.forward_reads`). ``"auto"`` leaves them out quietly;
-a policy that names them gets a warning saying which and why (:func:`plan_units`).
+a policy that names them gets a warning saying which and why (:func:`plan_units`). When the selected modules become
+FSDP units (``shards=True``), a module holding one end of a tied parameter but not the other is one more that cannot
+be a unit (:mod:`lightning_shard.ties`): ``"auto"`` leaves it in the unit around it, any other policy is an error.
 
 Everything here is a pure function of the model and the policy, so it is tested without processes.
 """
@@ -31,6 +33,7 @@ from torch import nn
 
 from lightning_shard.forward_reads import has_own_forward, modules_read_from_outside
 from lightning_shard.fsdp1_compat import is_fsdp1_policy
+from lightning_shard.ties import modules_splitting_ties, refuse_split_ties
 
 WrapPolicy = str | int | type | Iterable[Any] | Callable[[nn.Module], bool] | None
 
@@ -128,9 +131,15 @@ def select_modules(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wr
     return plan_units(root, policy, argument).modules
 
 
-def plan_units(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wrap_policy") -> UnitPlan:
+def plan_units(
+    root: nn.Module, policy: WrapPolicy, argument: str = "auto_wrap_policy", shards: bool = True
+) -> UnitPlan:
     """What ``policy`` selects in ``root``, what it matched but left out (a module that cannot be a unit stays in the
-    unit around it) and, for ``"auto"`` without any block, the note that the root alone is the unit.
+    unit around it) and, for ``"auto"`` without any block, the note that the root alone is the unit. ``shards``: the
+    modules become FSDP units (not only checkpointed), so none may split a tied parameter.
+
+    Raises:
+        ValueError: a policy other than ``"auto"`` selects a module that would split a tie, naming both parameters.
 
     Example:
         >>> plan = plan_units(nn.MultiheadAttention(8, 2), {nn.Linear})
@@ -140,8 +149,12 @@ def plan_units(root: nn.Module, policy: WrapPolicy, argument: str = "auto_wrap_p
     if policy is None:
         return UnitPlan([])
     unusable = _unusable_as_units(root)
+    splitting = modules_splitting_ties(root) if shards else {}
+    if policy == _AUTO:
+        unusable = {**splitting, **unusable}
     match = _matcher(root, policy, argument, unusable)
     matched = [module for module in _post_order(root) if module is not root and match(module)]
+    refuse_split_ties(root, [module for module in matched if id(module) not in unusable], splitting, argument)
     names = {id(module): name for name, module in root.named_modules()}
     left_out = {names[id(m)]: unusable[id(m)] for m in matched if id(m) in unusable and _size(m)}
     modules = [module for module in matched if id(module) not in unusable]

@@ -18,6 +18,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from nanogpt import GPT, GPTConfig
 from torch import nn
 from torch.nn.init import orthogonal_ as orthogonal_by_name
 from torch.nn.init import trunc_normal_ as trunc_normal_by_name
@@ -54,38 +55,9 @@ def style(name: str) -> Callable[[Callable[[], nn.Module]], Callable[[], nn.Modu
 # ---------------------------------------------------------------------------------------------- what already matched
 
 
-class NanoGPTBlock(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.ln = nn.LayerNorm(d)
-
-
-class NanoGPT(nn.Module):
-    """nanoGPT's init: ``self.apply(_init_weights)``, then the scaled ``c_proj`` loop; ``wte`` tied to ``lm_head``."""
-
-    def __init__(self, vocab: int = 16, d: int = 8, layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.h = nn.ModuleList(NanoGPTBlock(d) for _ in range(layers))
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-
-style("nanogpt")(NanoGPT)
+# nanoGPT's model.py (tests/nanogpt.py): `self.apply(_init_weights)`, then the scaled `c_proj` loop; `wte` tied to
+# `lm_head`
+style("nanogpt")(lambda: GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=8)))
 
 
 @style("tied_head_first")

@@ -44,6 +44,7 @@ from lightning_shard.hf.pretrained import (
     planned_names,
 )
 from lightning_shard.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
+from lightning_shard.ties import replaced_after
 from lightning_shard.torch_compat import storage_key
 
 
@@ -156,6 +157,7 @@ class _TransformersModel:
 
     def __init__(self, model: nn.Module, logs: list[ConstructionLog], ends: dict[int, float]) -> None:
         self.model = model
+        self.registrations = [r for log in logs for r in log.registrations]
         self.as_built = AsBuilt(model, logs)
         with self.as_built:
             members = list(model.modules())
@@ -220,6 +222,7 @@ class _TransformersModel:
                 if index == 0:
                     self._prepare(swap)
                 assert self.hf_swap is not None
+                self.hf_swap.replaced_later = replaced_after(self.registrations, self.positions[index])
                 _initialize_like_transformers(self.inits[index], self.hf_swap)
 
         return step
