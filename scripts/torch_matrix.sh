@@ -45,9 +45,13 @@ build() {  # torch python venv
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     "$venv/bin/python" -m pip install --quiet "torch==$torch" 2>/dev/null \
         || PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet "torch==$torch" || return 1
-    # the other requirements from the same places; torch stays as installed (pyproject.toml has no upper bound)
-    "$venv/bin/python" -m pip install --quiet -e "$REPO[test,hf]" 2>/dev/null \
-        || PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet -e "$REPO[test,hf]" || return 1
+    # the other requirements from the same places; torch stays as installed (pyproject.toml has no upper bound): a
+    # constraint pins it, replacing any the pip configuration sets (one here caps torch at the releases on disk)
+    local pin="$venv/torch-pin.txt"
+    echo "torch==$torch" > "$pin"
+    PIP_CONSTRAINT=$pin "$venv/bin/python" -m pip install --quiet -e "$REPO[test,hf]" 2>/dev/null \
+        || PIP_CONSTRAINT=$pin PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet -e "$REPO[test,hf]" \
+        || return 1
     "$venv/bin/python" -m pip install --quiet --no-deps litgpt==0.5.13 \
         || PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install --quiet --no-deps litgpt==0.5.13
     "$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$torch', torch.__version__"
