@@ -108,11 +108,9 @@ def test_rank_killed_mid_save_keeps_last_good_checkpoint_and_resumes(tmp_path: P
     ckpts = out / "ckpts"
     visible = sorted(p.name for p in ckpts.iterdir() if not p.name.startswith("."))
     assert visible == ["epoch=0-step=2.ckpt", "last.ckpt"], visible  # step 4 never became `last` nor a top-k file
-    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == [STAGING_DIR]
-    # the half-written step-4 save: in the hidden staging folder, holding rank 1's shard but no metadata
-    hidden = staged(ckpts)
-    assert hidden and all(p.name.startswith("epoch=0-step=4.ckpt.tmp-") for p in hidden), hidden
-    assert all(not (p / ".metadata").exists() for p in hidden)
+    # the half-written step-4 save: deleted by rank 0 when its save failed (a kill of every rank would leave it for
+    # the next save, load or launch: tests/test_checkpoint_faults.py)
+    assert [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == []
     last = ShardedCheckpointIO().load_checkpoint(ckpts / "last.ckpt")
     assert last["global_step"] == 2
     # ... and resumes: 4 more steps from step 2, starting from exactly the saved weights
