@@ -36,7 +36,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
 )
 from torch.distributed.checkpoint._traverse import set_element  # noqa: F401  (re-exported)
 from torch.distributed.checkpoint.state_dict import _gc_context as gc_paused  # noqa: F401  (re-exported)
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.checkpoint.utils import _create_file_view as file_view  # noqa: F401  (re-exported)
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn, get_swa_multi_avg_fn
@@ -195,7 +194,20 @@ def load_state_dict_from_keys(keys: set[str] | None, checkpoint_id: str, reader:
         >>> load_state_dict_from_keys({"global_step"}, "out/last.ckpt")  # doctest: +SKIP
         {'global_step': 200}
     """
-    return _load_state_dict_from_keys(keys=keys, checkpoint_id=checkpoint_id, storage_reader=reader)
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    # no_dist: the read is this process's alone, also inside a process group (torch's `_load_state_dict_from_keys`
+    # would run collectives then, and hang when one rank reads, as `convert` does), as `dcp_to_torch_save` reads.
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=reader or FileSystemReader(checkpoint_id),
+        planner=_EmptyStateDictLoadPlanner(keys=keys),
+        no_dist=True,
+    )
+    return state
 
 
 def local_chunk(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -231,7 +231,7 @@ def read_record(path: str | os.PathLike) -> dict[str, Any] | None:
         assert metadata is not None
         if RECORD_KEY not in metadata.state_dict_metadata:
             return None
-        return read_sharded_keys(path, {RECORD_KEY})[RECORD_KEY]  # every rank: DCP's read is collective
+        return read_sharded_keys(path, {RECORD_KEY})[RECORD_KEY]
 
     def read_full() -> dict[str, Any] | None:
         mmap = zipfile.is_zipfile(path)  # torch's legacy format cannot be mapped
