@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.utils.deterministic
 
-from lightning_shard.torch_compat import holds_values, op_base_name
+from lightning_shard.torch_compat import OpOverload, holds_values, op_base_name
 
 # The ops that return memory they did not write.
 _ALLOCATING = frozenset(
@@ -49,7 +49,7 @@ def allocates_unwritten(func: object) -> bool:
         >>> allocates_unwritten(torch.ops.aten.empty_like.default), allocates_unwritten(torch.ops.aten.ones.default)
         (True, False)
     """
-    return isinstance(func, torch._ops.OpOverload) and op_base_name(func) in _ALLOCATING
+    return isinstance(func, OpOverload) and op_base_name(func) in _ALLOCATING
 
 
 def fill_twice(buffer: torch.Tensor) -> torch.Tensor:
