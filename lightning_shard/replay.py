@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_shard.construction import ConstructionLog, Op, RngEvent, Scratch, TensorRef, state_bytes
 from lightning_shard.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.shard_init import host_shard
-from lightning_shard.torch_compat import tree_leaves, tree_map
+from lightning_shard.torch_compat import holds_values, tree_leaves, tree_map
 from lightning_shard.unset import allocates_unwritten, empty_bytes, fill_twice
 
 _CPU = torch.device("cpu")
@@ -260,7 +260,10 @@ def write_shards(full: torch.Tensor, live: torch.Tensor) -> None:
         tensor([1., 1.])
     """
     full = full.to(live.dtype)
-    if isinstance(live, DTensor):
+    if isinstance(live, DTensor) and not holds_values(live.to_local()):
+        # the memory simulation's fake tensors: no values, and no concrete offsets to slice the host tensor at
+        live.to_local().copy_(distribute_tensor(full, live.device_mesh, live.placements, src_data_rank=None).to_local())
+    elif isinstance(live, DTensor):
         live.to_local().copy_(host_shard(full, live))  # only the shard crosses to the device (shard_init)
     else:
         live.copy_(full)
