@@ -24,30 +24,6 @@ from hf_sweep_run import STEPS  # noqa: E402
 
 TOL = 1e-5
 MIN_FAMILIES = 50
-# Families failing for a class of silent damage that issue 34 names, fixed on other branches: strict, so that each
-# turns into a failure saying "remove me" once the fix is merged.
-SPLIT_TIE = "the MLM decoder tied to the embeddings, split by the default wrap, crashes FSDP: issue 34 part 1"
-SHARED_EMBEDDING = "the shared embedding tied to embed_tokens and lm_head starts elsewhere on meta: issue 34 part 1"
-SCALAR_HOOK = "the 0-d logit_scale's gradient averaging is lost at materialisation: issue 34 part 2"
-BATCH_NORM = "BatchNorm running statistics differ across ranks: issue 34 part 6"
-NO_OPTIMIZER_STATE = "a parameter that never had a gradient has no optimizer state, resume crashes: issue 35 part 4"
-KNOWN: dict[str, str] = {
-    **dict.fromkeys(["bert", "roberta", "modernbert", "xlm-roberta"], SPLIT_TIE),
-    **dict.fromkeys("t5 mt5 umt5 switch_transformers bart mbart plbart pegasus marian".split(), SHARED_EMBEDDING),
-    **dict.fromkeys(["blenderbot", "m2m_100", "nllb-moe", "longt5", "prophetnet"], SHARED_EMBEDDING),
-    **dict.fromkeys(["clip", "chinese_clip", "altclip", "clipseg"], SCALAR_HOOK),
-    **dict.fromkeys(["resnet", "regnet", "levit", "cvt"], BATCH_NORM),
-    # unused in the task's forward: dinov2's mask_token, poolers of masked-LM models, Longformer's global attention
-    **dict.fromkeys("dinov2 squeezebert fnet longformer big_bird".split(), NO_OPTIMIZER_STATE),
-    # the resume crash hides a second class, seen in the 3 steps before it
-    "wav2vec2-conformer": f"{NO_OPTIMIZER_STATE}; its conformer {BATCH_NORM}",
-    "blip": f"{NO_OPTIMIZER_STATE}; {SCALAR_HOOK}",
-}
-
-
-def _marks(family: str) -> list[pytest.MarkDecorator]:
-    reason = f"{KNOWN.get(family)} (strict: once it passes, remove {family!r} from KNOWN)"
-    return [pytest.mark.xfail(strict=True, reason=reason)] if family in KNOWN else []
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +68,7 @@ def problems(found: dict[str, Any]) -> list[str]:
     return [message for message, passed in checks.items() if not passed]
 
 
-@pytest.mark.parametrize("family", [pytest.param(name, marks=_marks(name)) for name in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_on_two_ranks_as_in_one_process(sweep: dict[str, dict[str, Any]], family: str) -> None:
     # meta build vs eager build; 3 steps, then 2 after a sharded save and resume, against one process's 5; the
     # ranks' unsharded parameters and buffers after the 3 steps; the resumed weights against the saved ones
@@ -108,7 +84,7 @@ def test_the_sweep_covers_at_least_50_families(sweep: dict[str, dict[str, Any]],
     for name, runs in sweep.items():
         found = figures(**runs)
         failed = problems(found)
-        result = f"FAIL ({KNOWN.get(name, 'not a known class')}): {'; '.join(failed)[:160]}" if failed else "pass"
+        result = f"FAIL: {'; '.join(failed)[:160]}" if failed else "pass"
         diffs = ("-", "-") if "error" in found else (f"{found['loss']:.2e}", f"{found['init']:.3g}")
         task = f"{FAMILIES[name].category}: {runs['ref'].get('class', '?')}"
         rows.append(f"| {name} | {task} | {runs['ref'].get('params', '-')} | {result} | {diffs[0]} | {diffs[1]} |")
