@@ -287,7 +287,7 @@ def rng_timeline(logs: list[ConstructionLog]) -> list[tuple[float, Callable[[], 
     states = _from_rank_zero(
         starts
         + [log.rng_end for log in logs]
-        + [event.value for log in logs for event in log.rng_events if event.action == "set"]
+        + [event.value for log in logs for event in _replayed_events(log) if event.action == "set"]
     )
     timeline: list[tuple[float, Callable[[], None]]] = [(-float("inf"), _set_state(states[0]))]
     ends, sets = states[len(starts) : len(starts) + len(logs)], iter(states[len(starts) + len(logs) :])
@@ -295,9 +295,17 @@ def rng_timeline(logs: list[ConstructionLog]) -> list[tuple[float, Callable[[], 
     for index, log in enumerate(logs):
         if index and state_bytes(states[index]) != state_bytes(ends[index - 1]):
             timeline.append((_first_seq(log) - 0.5, _set_state(states[index])))
-        for event in log.rng_events:
+        for event in _replayed_events(log):
             timeline.append((event.seq, _event_action(event, next(sets) if event.action == "set" else None, slots)))
     return timeline
+
+
+def _replayed_events(log: ConstructionLog) -> list[RngEvent]:
+    """``log``'s generator events up to its last recorded op: later ones change no replayed value. The recording lasts
+    until setup, so code between the build and setup that only one rank runs (rank 0 writing starting weights under
+    ``fork_rng``) adds events on that rank alone."""
+    last_op = max((op.seq for op in log.ops), default=-float("inf"))
+    return [event for event in log.rng_events if event.seq < last_op]
 
 
 def _event_action(event: RngEvent, state: torch.Tensor | None, slots: dict[int, torch.Tensor]) -> Callable[[], None]:
