@@ -205,14 +205,15 @@ def _litgpt_train(
     from litgpt.finetune.full import get_lr_scheduler
     from litgpt.utils import chunked_cross_entropy
 
-    with fabric.init_module(empty_init=fabric.world_size > 1):
-        model = LitGPT(litgpt_config())
     if not initial.exists() and fabric.global_rank == 0:
-        # written once, by the first run: weights from another seed than the runs' own init
+        # written once, by the first run: weights from another seed than the runs' own init (before the meta build:
+        # rank 0 alone reseeding inside its recording would make the ranks' recordings differ)
         with torch.random.fork_rng():
             torch.manual_seed(123)
             torch.save(LitGPT(litgpt_config()).state_dict(), initial)
     fabric.barrier()
+    with fabric.init_module(empty_init=fabric.world_size > 1):
+        model = LitGPT(litgpt_config())
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.02))
     scheduler = get_lr_scheduler(optimizer, warmup_steps=1, max_steps=STEPS)

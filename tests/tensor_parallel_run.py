@@ -39,10 +39,18 @@ import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
 import lightning_shard.hf  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
+from lightning_shard.fused_optimizer import use_fused_kernels  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MAX_STEPS, SAVE_STEP = 128, 16, 8, 6, 3
 PROMPT = [[1, 5, 9, 13, 17]]
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj"]  # column-wise and row-wise bases
+
+
+class FusedOptimizer(L.Callback):
+    """Steps Lightning's ModelParallelStrategy's optimizer with the kernel the sharded strategy switches AdamW to."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        use_fused_kernels(trainer.optimizers)
 
 
 @dataclass(frozen=True)
@@ -286,6 +294,8 @@ def run(name: str, devices: int, tp: int, mode: str, checkpoints: Path, out: Pat
         strategy = "auto"
     recorder, start = GlobalLossRecorder(), WeightsAtStart()
     callbacks: list[L.Callback] = [recorder, start]
+    if mode == "model_parallel":  # the optimizer kernel the sharded strategy picks (fused AdamW), for equal bits
+        callbacks.append(FusedOptimizer())
     full_save = scenario.strategy.get("state_dict_type") == "full"
     checkpoint = checkpoints / f"{name}-{devices}{'-mp' if mode == 'model_parallel' else ''}.ckpt"
     if scenario.save and not full_save:

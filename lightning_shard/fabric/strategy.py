@@ -47,7 +47,6 @@ from lightning_shard.fused_optimizer import use_fused_kernels
 from lightning_shard.init_skip import (
     check_after_load,
     checkpoint_model_names,
-    initialization_deferred,
     initialize_deferred,
 )
 from lightning_shard.materialize import meta_construction
@@ -185,9 +184,9 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
             accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
-            # the values wait for the first forward, save or load: a `fabric.load` right after writes most of them
-            with initialization_deferred():
-                self._shard_module(module, self.precision, accumulate)
+            # Initialised here, not deferred to the first use: Fabric cannot know whether a `fabric.load` follows, and
+            # deferred values would read as sentinels, and be overwritten if written, until then.
+            self._shard_module(module, self.precision, accumulate)
         else:
             self._keep_sharding(module, self.precision)
         self._apply_run_settings()
