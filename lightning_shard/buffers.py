@@ -19,6 +19,7 @@ agree on. Between the micro-batches of one accumulated step each rank's own batc
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,28 @@ def broadcast_buffers(model: nn.Module) -> None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for buffer in model.buffers():
-        # A DTensor buffer (a tensor-parallel plan's) is placed by its mesh already; a meta one holds nothing.
-        if not isinstance(buffer, DTensor) and not buffer.is_meta:
-            groups[(buffer.device, buffer.dtype)].append(buffer)
-    # The same order on every rank: the module order of the buffers, grouped in first-seen order.
+    for buffer in _buffers_every_rank_holds(model):
+        groups[(buffer.device, buffer.dtype)].append(buffer)
+    # The same order on every rank: by name, grouped in first-seen order.
     for buffers in groups.values():
         flat = torch.cat([buffer.reshape(-1) for buffer in buffers])
         dist.broadcast(flat, src=0)
         for buffer, value in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
             buffer.copy_(value.view_as(buffer))
+
+
+def _buffers_every_rank_holds(model: nn.Module) -> list[torch.Tensor]:
+    """``model``'s plain buffers that every rank holds under the same name, shape, dtype and device type, by name: a
+    buffer one rank alone created or cast (a cache a model builds lazily) would otherwise put the ranks' broadcasts
+    out of step, and hang them."""
+    named = sorted(
+        # A DTensor buffer (a tensor-parallel plan's) is placed by its mesh already; a meta one holds nothing.
+        (name, buffer)
+        for name, buffer in model.named_buffers()
+        if not isinstance(buffer, DTensor) and not buffer.is_meta
+    )
+    entries = [(name, tuple(buffer.shape), str(buffer.dtype), buffer.device.type) for name, buffer in named]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, entries)
+    common = set(entries).intersection(*(set(other) for other in gathered))
+    return [buffer for (name, buffer), entry in zip(named, entries, strict=True) if entry in common]
