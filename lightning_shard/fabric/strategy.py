@@ -20,6 +20,7 @@ policy, checkpoint IO). What Fabric calls, in a typical loop:
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any
@@ -55,6 +56,10 @@ from lightning_shard.precision import clip_grad_norm
 from lightning_shard.settings import StrategySettings
 from lightning_shard.strategy_core import ShardedStrategyCore
 from lightning_shard.torch_compat import visible_name
+
+# The order in which this process set models up (shared by every rank: they run the same program).
+_SETUP_COUNTER = itertools.count()
+_SETUP_INDEX = "_lightning_shard_setup_index"
 
 
 class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
@@ -191,6 +196,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             self._keep_sharding(module, self.precision)
         self._apply_run_settings()
         self._sharded_models.add(module)
+        module.__dict__.setdefault(_SETUP_INDEX, next(_SETUP_COUNTER))
         place_unmanaged_state(module, self.root_device)
         return module
 
@@ -216,8 +222,16 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)
-        self._after_optimizer_step(*self._sharded_models)
+        self._after_optimizer_step(*self._models_stepped_by(optimizer))
         return output
+
+    def _models_stepped_by(self, optimizer: Optimizable) -> list[Module]:
+        """The sharded models whose parameters ``optimizer`` steps, in the order they were set up: the same list on
+        every rank (a WeakSet's order, and which dropped models it still holds, differ per process), for the
+        collectives that follow the step."""
+        stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
+        models = [model for model in self._sharded_models if any(id(p) in stepped for p in model.parameters())]
+        return sorted(models, key=lambda model: model.__dict__[_SETUP_INDEX])
 
     @override
     def clip_gradients_norm(
