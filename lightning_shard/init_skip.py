@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_shard.checkpoint.io import _recorded_layout
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
@@ -130,7 +131,7 @@ def _names_here(path: Path, averaged: bool, raw: bool) -> frozenset[str]:
                 return frozenset(checkpoint)
             layout = StateLayout.from_record(checkpoint[LAYOUT_KEY]) if LAYOUT_KEY in checkpoint else TRAINER_LAYOUT
             names, top = set(checkpoint.get(layout.model, {})), set(checkpoint)
-    except Exception:  # unreadable here: the load names the problem
+    except (Exception, CheckpointException):  # unreadable here (a damaged file too): the load names the problem
         return frozenset()
     if averaged and not top & set(layout.averaged):
         return frozenset()
