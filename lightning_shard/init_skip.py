@@ -46,10 +46,7 @@ if TYPE_CHECKING:
 _LOADED_AFTER_SETUP: ContextVar[frozenset[str]] = ContextVar("loaded_after_setup", default=frozenset())
 # The checkpoint Lightning selected for each running Trainer (see `resume_path_noted`).
 _SELECTED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-# Under Fabric, the values of a materialised model wait for the first use (`initialize_or_defer`); `_DEFERRED` (on the
-# model) holds its initialisation and hooks, `_UNCHECKED` the check of the tensors left to a load (`check_after_load`).
-_DEFER: ContextVar[bool] = ContextVar("initialization_deferred", default=False)
-_DEFERRED = "_lightning_shard_deferred_initialization"
+# On the model: the check of the tensors left to a load (`check_after_load`).
 _UNCHECKED = "_lightning_shard_unchecked_after_load"
 
 
@@ -175,54 +172,14 @@ def keys_of(root: nn.Module, names: frozenset[str]) -> set[HolderKey]:
     }
 
 
-def initialization_deferred() -> AbstractContextManager[None]:
-    """Inside, materialisation allocates and plans, and leaves the values to :func:`initialize_deferred` (Fabric's
-    ``setup``: a ``fabric.load`` may follow).
+def loaded_keys(root: nn.Module) -> set[HolderKey]:
+    """The tensors of ``root`` that the load following this setup writes (:func:`loaded_after_setup`; none outside).
 
     Example:
-        >>> with initialization_deferred():  # doctest: +SKIP
-        ...     strategy._shard_module(model, precision, 1)
+        >>> loaded_keys(nn.Linear(2, 2))
+        set()
     """
-    return _set_inside(_DEFER, True)
-
-
-def initialize_or_defer(root: nn.Module, initialize: Callable[[set[HolderKey]], None]) -> None:
-    """Run ``initialize`` (materialisation's replay, given the tensors a load writes) now, with the tensors of the
-    load that follows setup (:func:`loaded_after_setup`), or - under :func:`initialization_deferred` - at the first
-    of: :func:`initialize_deferred` (a load, a save), ``root``'s forward, its ``state_dict()``.
-
-    Example:
-        >>> initialize_or_defer(nn.Linear(2, 2), lambda loaded: None)
-    """
-    if not _DEFER.get():
-        initialize(keys_of(root, _LOADED_AFTER_SETUP.get()))
-        return
-    hooks = [
-        root.register_forward_pre_hook(_initialize_at_forward, prepend=True),
-        root.register_state_dict_pre_hook(lambda module, prefix, keep_vars: initialize_deferred(module)),
-    ]
-    root.__dict__[_DEFERRED] = (initialize, hooks)
-
-
-@torch.compiler.disable  # not traced into a user's `torch.compile(model)`: it runs once, before the first forward
-def _initialize_at_forward(module: nn.Module, args: Any) -> None:
-    initialize_deferred(module)
-
-
-def initialize_deferred(root: nn.Module, loaded: frozenset[str] = frozenset()) -> None:
-    """Initialise ``root`` now if its initialisation was deferred, leaving the tensors named ``loaded`` (state-dict
-    names) to the load that follows. Call on every rank (the replay's collectives).
-
-    Example:
-        >>> initialize_deferred(nn.Linear(2, 2))
-    """
-    deferred = root.__dict__.pop(_DEFERRED, None)
-    if deferred is None:
-        return
-    initialize, hooks = deferred
-    for hook in hooks:
-        hook.remove()
-    initialize(keys_of(root, loaded), deferred=True)
+    return keys_of(root, _LOADED_AFTER_SETUP.get())
 
 
 @dataclass

@@ -48,7 +48,7 @@ from lightning_shard.construction import (
     construction_logs,
     forget_construction,
 )
-from lightning_shard.init_skip import defer_check, initialize_or_defer, restricted_needs
+from lightning_shard.init_skip import defer_check, loaded_keys, restricted_needs
 from lightning_shard.meta_window import end_meta_window, meta_window
 from lightning_shard.replay import (
     Overwrite,
@@ -61,7 +61,7 @@ from lightning_shard.replay import (
 from lightning_shard.skipped_draws import SKIPPED
 from lightning_shard.ties import find_ties, retie
 from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
-from lightning_shard.unset import fill_unset, holds_only_unset, holds_unset, uninitialized_memory_filled
+from lightning_shard.unset import fill_unset, holds_unset, uninitialized_memory_filled
 
 _CPU = torch.device("cpu")
 
@@ -189,8 +189,8 @@ def materialize_sharded_module(
     # The caller's stream as the eager build leaves it, now (not when a deferred replay runs: draws made after setup
     # must see it), also when a load makes the replay unnecessary.
     SKIPPED.pay(skip=plan.undrawn())
-    # A checkpoint load follows (the Trainer's restore) or may (Fabric's): what it writes is not replayed.
-    initialize_or_defer(root, partial(_initialize, root, plan, logs, allocated))
+    # A checkpoint load follows (the Trainer's restore): what it writes is not replayed.
+    _initialize(root, plan, logs, allocated, loaded_keys(root))
 
 
 def _initialize(
@@ -199,13 +199,9 @@ def _initialize(
     logs: list[ConstructionLog],
     allocated: list[tuple[str, nn.Module, str, str]],
     loaded: set[HolderKey],
-    deferred: bool = False,
 ) -> None:
-    """Replay what the tensors not ``loaded`` need, check them, and leave the check of the others to the load.
-    ``deferred``: setup is over (Fabric's first use), so a tensor the user wrote since would be overwritten."""
+    """Replay what the tensors not ``loaded`` need, check them, and leave the check of the others to the load."""
     unloaded = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) not in loaded]
-    if deferred:
-        _refuse_written_since_setup(unloaded)
     plan.leave_to_load(loaded)
     with torch.no_grad(), callers_random_state_kept(), uninitialized_memory_filled():
         plan.run(rng_timeline(logs))
@@ -214,25 +210,6 @@ def _initialize(
     if left_to_load:
         defer_check(root, partial(_refuse_unwritten, left_to_load, {}, by_load=True))
     forget_construction(root)
-
-
-def _refuse_written_since_setup(allocated: list[tuple[str, nn.Module, str, str]]) -> None:
-    """Under Fabric the values wait for the model's first use (:mod:`lightning_shard.init_skip`): a tensor written
-    between setup and then would be overwritten by the replay, silently. Every rank checks its shards."""
-    written = [
-        name for name, module, table, key in allocated if not holds_only_unset(_local(module.__dict__[table][key]))
-    ]
-    if _distributed_is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, written)
-        written = sorted({name for names in gathered for name in names})
-    if written:
-        raise RuntimeError(
-            f"{_shown(written)} were written after `fabric.setup` but before the model's first forward, save or load, "
-            "when its initial values are computed (so that a `fabric.load` right after setup computes none): they "
-            "would be overwritten. Initialise them before `fabric.setup` (their writes are then replayed exactly), "
-            "or after the first forward."
-        )
 
 
 def _allocate_meta_tensors(

@@ -112,23 +112,6 @@ def empty_bytes(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     return fill_unset(torch.empty(nbytes // dtype.itemsize, dtype=dtype)).view(torch.uint8)
 
 
-def holds_only_unset(tensor: torch.Tensor) -> bool:
-    """Whether every element of ``tensor`` is still its dtype's sentinel (nothing wrote any part of it); a tensor
-    without values counts as untouched.
-
-    Example:
-        >>> holds_only_unset(torch.tensor([float("nan")])), holds_only_unset(torch.tensor([1.0, float("nan")]))
-        (True, False)
-    """
-    if tensor.is_meta or not holds_values(tensor) or tensor.numel() == 0:
-        return True
-    if tensor.dtype == torch.bool:
-        return bool((tensor.view(torch.uint8) == 0xFF).all())
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(tensor.isnan().all())
-    return bool((tensor == torch.iinfo(tensor.dtype).max).all())
-
-
 def holds_unset(tensor: torch.Tensor) -> bool:
     """Whether any element of ``tensor`` is its dtype's sentinel; a fake or meta tensor (the memory simulation's, a
     test's stand-in device) has no values and never holds one.

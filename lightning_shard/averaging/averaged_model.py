@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 
 from lightning_shard.direct_calls import drop_gathered_parameters
-from lightning_shard.init_skip import initialize_deferred
 from lightning_shard.memory.accounting import local_tensor
 from lightning_shard.torch_compat import foreach_form, is_persistent_buffer, visible_name
 
@@ -142,7 +141,6 @@ class ShardedAveragedModel(nn.Module):
         self._model = weakref.ref(model)  # not a submodule: the model's tensors are not this module's state
         self.module = nn.Module()
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long))
-        initialize_deferred(model)  # the copy takes the model's values (Fabric writes them at first use)
         drop_gathered_parameters(model)  # the module attributes must be the sharded parameters
         with torch.no_grad():
             self._slots = self._build_copy(model, device)

@@ -45,11 +45,7 @@ from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
 from lightning_shard.fused_optimizer import use_fused_kernels
-from lightning_shard.init_skip import (
-    check_after_load,
-    checkpoint_model_names,
-    initialize_deferred,
-)
+from lightning_shard.init_skip import check_after_load
 from lightning_shard.materialize import meta_construction
 from lightning_shard.parallelize import is_parallelized
 from lightning_shard.precision import clip_grad_norm
@@ -284,8 +280,6 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
         path = self.broadcast(str(path))
-        for module in self._sharded_models:
-            initialize_deferred(module)
         full = self.config.state_dict_type == "full"
         checkpoint, layout = checkpoint_from_state(state, self.checkpoint_io, full=full, filter=filter)
         if full:
@@ -313,7 +307,6 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if not state:
             return self.checkpoint_io.load_checkpoint(path)
         if isinstance(state, Module):
-            initialize_deferred(state, checkpoint_model_names(path, raw=True))  # what the file holds is loaded
             self.checkpoint_io.load_raw_into(path, state, strict=strict)
             check_after_load(state)
             drop_gathered_parameters(state)  # gathered before the load (a call after a step): stale now
@@ -324,7 +317,6 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "names. Load it with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
         model, optimizers, averaged, layout = layout_of(state, "load")
-        initialize_deferred(model, checkpoint_model_names(path))  # what the checkpoint holds is loaded
         rest = self.checkpoint_io.load_into(
             path, model, list(optimizers.values()), strict=strict, layout=layout, averaged=averaged
         )
