@@ -75,8 +75,8 @@ def step_times(rounds: int, steps: int, warmup: int) -> dict[str, list[float]]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
     from lightning_shard import ShardingConfig
-    from lightning_shard.materialize import meta_construction
-    from lightning_shard.parallelize import parallelize_module
+    from lightning_shard.init.materialize import meta_construction
+    from lightning_shard.plan.parallelize import parallelize_module
 
     with tempfile.NamedTemporaryFile() as store:
         dist.init_process_group("gloo", store=dist.FileStore(store.name, 1), rank=0, world_size=1)

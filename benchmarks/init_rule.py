@@ -36,14 +36,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import lightning_shard.hf  # noqa: E402
-import lightning_shard.materialize as materialize  # noqa: E402
+import lightning_shard.init.materialize as materialize  # noqa: E402
 from benchmarks.common import REPO, RESULTS, machine, median, write_json  # noqa: E402
 from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
-from lightning_shard.config import ShardingConfig  # noqa: E402
-from lightning_shard.construction import construction_logs  # noqa: E402
-from lightning_shard.meta_window import end_meta_window  # noqa: E402
-from lightning_shard.parallelize import parallelize_module  # noqa: E402
+from lightning_shard.init.construction import construction_logs  # noqa: E402
+from lightning_shard.init.meta_window import end_meta_window  # noqa: E402
+from lightning_shard.plan.config import ShardingConfig  # noqa: E402
+from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
 from lightning_shard.torch_compat import memory_simulation_tools  # noqa: E402
 
 

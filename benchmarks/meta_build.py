@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from benchmarks.common import REPO, RESULTS, machine, median, write_json
 from examples.gpt.model import GPT, Block
 from lightning_shard.memory.accounting import parameter_bytes
-from lightning_shard.parallelize import _apply_activation_checkpointing
+from lightning_shard.plan.parallelize import _apply_activation_checkpointing
 
 
 def build_and_wrap(model_args: dict, world_size: int, checkpointing: bool) -> dict:

@@ -1,5 +1,5 @@
 """The optimizer step on one rank's shards: AdamW as users write it (torch's ``foreach`` default) against the fused
-kernel the strategy now switches it to (``lightning_shard.fused_optimizer``), in parameters/s and GB/s against this
+kernel the strategy now switches it to (``lightning_shard.core.fused_optimizer``), in parameters/s and GB/s against this
 machine's memory bandwidth.
 
     python benchmarks/optimizer_step.py                  # -> benchmarks/results/optimizer_step.json
@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 from benchmarks.common import RESULTS, machine, median, write_json  # noqa: E402
-from lightning_shard.fused_optimizer import use_fused_kernels  # noqa: E402
+from lightning_shard.core.fused_optimizer import use_fused_kernels  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 AdamW: read p, g, m, v; write p, m, v
 

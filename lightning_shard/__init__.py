@@ -19,7 +19,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_shard import fabric, hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
 from lightning_shard.averaging import ShardedAveragedModel
 from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
-from lightning_shard.config import ShardingConfig
 from lightning_shard.memory import (
     MemoryBreakdown,
     MemoryEstimate,
@@ -27,10 +26,11 @@ from lightning_shard.memory import (
     estimate_memory,
     format_estimate_table,
 )
-from lightning_shard.precision import ShardedPrecision
-from lightning_shard.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
+from lightning_shard.plan.config import ShardingConfig
+from lightning_shard.plan.precision import ShardedPrecision
 from lightning_shard.standalone_packages import load_when_imported
-from lightning_shard.strategy import ShardedStrategy
+from lightning_shard.trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
+from lightning_shard.trainer.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)
 fabric.ShardedStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

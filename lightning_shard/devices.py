@@ -1,5 +1,5 @@
 """Where each tensor lives and which process-group backend serves it: small decisions the strategy and
-:func:`~lightning_shard.parallelize.parallelize_module` take from the compute device and the offload setting.
+:func:`~lightning_shard.plan.parallelize.parallelize_module` take from the compute device and the offload setting.
 
 They are pure functions of a ``torch.device`` (or act on a module given one), so the CUDA answers are tested on a
 CPU machine with a stand-in device. What FSDP2 itself does, read in ``torch/distributed/fsdp/_fully_shard/``:

@@ -1,4 +1,5 @@
-"""What materialisation computes when a checkpoint load follows setup (:mod:`lightning_shard.init_skip`); one launch.
+"""What materialisation computes when a checkpoint load follows setup (:mod:`lightning_shard.init.init_skip`); one
+launch.
 
     python tests/init_skip_run.py --devices 2 --out DIR
 
@@ -41,10 +42,10 @@ from toy import FULL, QUIET, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
-import lightning_shard.materialize as materialize  # noqa: E402
-import lightning_shard.replay as replay  # noqa: E402
+import lightning_shard.init.materialize as materialize  # noqa: E402
+import lightning_shard.init.replay as replay  # noqa: E402
 from lightning_shard.checkpoint.io import ShardedCheckpointIO  # noqa: E402
-from lightning_shard.unset import fill_unset  # noqa: E402
+from lightning_shard.init.unset import fill_unset  # noqa: E402
 
 WIDTH, GLOBAL_BATCH, STEPS, SAVE_AT = 16, 16, 8, 4  # 4 batches an epoch: saved at an epoch's end
 

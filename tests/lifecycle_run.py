@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
 
 from lightning_shard import ShardedStrategy  # noqa: E402
-from lightning_shard.buffers import broadcast_buffers  # noqa: E402
+from lightning_shard.core.buffers import broadcast_buffers  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy as FabricShardedStrategy  # noqa: E402
 
 # Lightning itself gives every callback the module's `log` and `log_dict` in each run.

@@ -39,7 +39,7 @@ import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
 import lightning_shard.hf  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
-from lightning_shard.fused_optimizer import use_fused_kernels  # noqa: E402
+from lightning_shard.core.fused_optimizer import use_fused_kernels  # noqa: E402
 
 VOCAB, SEQ, GLOBAL_BATCH, MAX_STEPS, SAVE_STEP = 128, 16, 8, 6, 3
 PROMPT = [[1, 5, 9, 13, 17]]

@@ -24,12 +24,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
+import lightning_shard.core.strategy_core as strategy_module
 import lightning_shard.memory.callback as memory_callback
-import lightning_shard.strategy_core as strategy_module
 from lightning_shard import ShardedMemoryMonitor, ShardedPrecision, ShardedStrategy, ShardingConfig
 from lightning_shard.devices import materialization_devices, place_unmanaged_state, process_group_backend_for
 from lightning_shard.memory.process_memory import CUDA_KEYS
-from lightning_shard.parallelize import parallelize_module
+from lightning_shard.plan.parallelize import parallelize_module
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")

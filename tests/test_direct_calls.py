@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import IN_FEATURES, Block, ToyModel  # noqa: E402
 
 from lightning_shard import ShardingConfig  # noqa: E402
-from lightning_shard.direct_calls import drop_gathered_parameters  # noqa: E402
-from lightning_shard.parallelize import parallelize_module  # noqa: E402
+from lightning_shard.plan.direct_calls import drop_gathered_parameters  # noqa: E402
+from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
 from lightning_shard.torch_compat import root_is_gathered  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """The optimizer step users get without changing their code: torch's fused kernel on the shards
-(``lightning_shard.fused_optimizer``), equal to their optimizer over 50 steps within float rounding."""
+(``lightning_shard.core.fused_optimizer``), equal to their optimizer over 50 steps within float rounding."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lightning_shard.fused_optimizer import use_fused_kernels
+from lightning_shard.core.fused_optimizer import use_fused_kernels
 
 # 50 steps of fused against foreach kernels on the same shards: measured 1.6e-7 (AdamW), 1.2e-7 (Adam) on weights of
 # order 0.1-1 - float32 rounding of the same update computed in another order.

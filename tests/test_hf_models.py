@@ -40,9 +40,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lightning_shard  # noqa: E402
 from lightning_shard import ShardedStrategy, ShardingConfig  # noqa: E402
-from lightning_shard.materialize import meta_construction  # noqa: E402
-from lightning_shard.parallelize import parallelize_module  # noqa: E402
-from lightning_shard.wrap import select_modules  # noqa: E402
+from lightning_shard.init.materialize import meta_construction  # noqa: E402
+from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
+from lightning_shard.plan.wrap import select_modules  # noqa: E402
 
 TOL = 1e-5
 TRANSFORMERS = ["llama", "gpt2", "pretrained"]
@@ -325,7 +325,7 @@ def test_tied_checkpoint_fills_the_tied_head(tmp_path: Path) -> None:
 
 
 def test_mixed_precision_keeps_fp32_parameters_of_a_model_built_in_bf16() -> None:
-    from lightning_shard.precision import ShardedPrecision
+    from lightning_shard.plan.precision import ShardedPrecision
 
     config = llama_config(num_hidden_layers=1)
     config.tie_word_embeddings = True

@@ -28,7 +28,7 @@ import pytest
 import torch
 from conftest import REPO, clean_env, free_port, run_script, srun_env
 
-from lightning_shard.config import ShardingConfig
+from lightning_shard.plan.config import ShardingConfig
 
 TOL = 1e-5
 SCRIPT = "tests/hybrid_run.py"

@@ -20,8 +20,8 @@ from conftest import run_script  # noqa: E402
 from init_corpus_run import AFTER_BUILD_STYLES, FABRIC_STYLES  # noqa: E402
 from init_styles import ERROR_NAMES, ERRORS, SEED, STYLES, eager_after_build, eager_state  # noqa: E402
 
-from lightning_shard.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
-from lightning_shard.materialize import materialize_sharded_module, meta_construction  # noqa: E402
+from lightning_shard.init.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
+from lightning_shard.init.materialize import materialize_sharded_module, meta_construction  # noqa: E402
 from lightning_shard.torch_compat import TorchDispatchMode, op_base_name  # noqa: E402
 
 REPRODUCIBLE = [name for name in STYLES if name not in ERRORS]
@@ -219,7 +219,7 @@ def test_a_large_real_tensor_changed_through_data_before_setup_is_refused() -> N
 def test_a_meta_tensor_changed_after_its_recording_ended_is_refused() -> None:
     """Recorded until setup or until the next model is started on the meta device; a change after that is refused
     (before sharding), not dropped."""
-    from lightning_shard.meta_window import refuse_changes_after_recording
+    from lightning_shard.init.meta_window import refuse_changes_after_recording
 
     with meta_construction():
         first = nn.Linear(2, 2)

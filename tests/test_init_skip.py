@@ -1,4 +1,4 @@
-"""A load right after setup: materialisation replays nothing it writes (``lightning_shard.init_skip``), and the
+"""A load right after setup: materialisation replays nothing it writes (``lightning_shard.init.init_skip``), and the
 resumed run still equals the uninterrupted one. One 2-rank launch of ``init_skip_run.py`` (conftest)."""
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ import torch
 from conftest import run_torchrun_result
 from torch import nn
 
-from lightning_shard.config import ShardingConfig
-from lightning_shard.precision import ShardedPrecision
-from lightning_shard.sharded_with import check_same_sharding, record_sharding
-from lightning_shard.undo import UndoLog
+from lightning_shard.core.sharded_with import check_same_sharding, record_sharding
+from lightning_shard.core.undo import UndoLog
+from lightning_shard.plan.config import ShardingConfig
+from lightning_shard.plan.precision import ShardedPrecision
 
 TOLERANCE = 1e-5
 

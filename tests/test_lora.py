@@ -37,8 +37,8 @@ import lightning_shard.hf  # noqa: E402
 from lightning_shard import ShardingConfig  # noqa: E402
 from lightning_shard.cli import main as cli_main  # noqa: E402
 from lightning_shard.hf.frozen_weights import RECORD_KEY  # noqa: E402
-from lightning_shard.materialize import meta_construction  # noqa: E402
-from lightning_shard.parallelize import parallelize_module  # noqa: E402
+from lightning_shard.init.materialize import meta_construction  # noqa: E402
+from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
 
 TOL = 1e-5
 SOURCES = ("config", "pretrained")

@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_shard import PREEMPTED_EXIT_CODE, PreemptionCheckpoint, ShardedStrategy, is_sharded_checkpoint
 from lightning_shard.checkpoint import read_sharded_keys
 from lightning_shard.checkpoint.publish import STAGING_DIR, staging_path
-from lightning_shard.preemption import StopVote, StrategyPreemptionCheckpoint, _requeue_slurm_job
+from lightning_shard.trainer.preemption import StopVote, StrategyPreemptionCheckpoint, _requeue_slurm_job
 
 SCRIPT = "tests/preemption_run.py"
 STEPS = 12

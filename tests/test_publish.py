@@ -23,9 +23,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_shard import ShardedCheckpointIO
 from lightning_shard.checkpoint import publish as publish_module
 from lightning_shard.checkpoint.layout import StateLayout
-from lightning_shard.checkpoint.model_checkpoint import restore_checkpoint_folders
 from lightning_shard.checkpoint.publish import STAGING_DIR, exchange, publish, staging_path
 from lightning_shard.checkpoint.target import Found, Target
+from lightning_shard.trainer.model_checkpoint import restore_checkpoint_folders
 
 FABRIC = StateLayout("model", ("optimizer",))
 

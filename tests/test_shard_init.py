@@ -1,5 +1,5 @@
 """Materialisation copies each rank's shard from the host, never the whole tensor to the device
-(``lightning_shard.shard_init``): a CPU stand-in on a fake 4-rank process group, as rank 1."""
+(``lightning_shard.init.shard_init``): a CPU stand-in on a fake 4-rank process group, as rank 1."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_shard.replay import write_shards
+from lightning_shard.init.replay import write_shards
 
 
 @pytest.fixture

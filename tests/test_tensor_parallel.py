@@ -34,8 +34,8 @@ from torch.distributed.tensor import Replicate, Shard
 from lightning_shard import ShardedStrategy, ShardingConfig, estimate_memory
 from lightning_shard.checkpoint.io import read_sharded_keys
 from lightning_shard.cli import main as cli_main
-from lightning_shard.materialize import meta_construction
-from lightning_shard.parallelize import parallelize_module
+from lightning_shard.init.materialize import meta_construction
+from lightning_shard.plan.parallelize import parallelize_module
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan, resolve_plan
 from lightning_shard.torch_compat import memory_simulation_tools
 

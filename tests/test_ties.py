@@ -33,9 +33,9 @@ from tied_models import TRANSFORMERS, builder, tied_names  # noqa: E402
 
 import lightning_shard.hf  # noqa: E402,F401  (registers transformers' initialisation)
 from lightning_shard import ShardingConfig  # noqa: E402
-from lightning_shard.materialize import materialize_sharded_module, meta_construction  # noqa: E402
-from lightning_shard.parallelize import parallelize_module  # noqa: E402
-from lightning_shard.wrap import plan_units  # noqa: E402
+from lightning_shard.init.materialize import materialize_sharded_module, meta_construction  # noqa: E402
+from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
+from lightning_shard.plan.wrap import plan_units  # noqa: E402
 
 TOL = 1e-5
 CORPUS = ["nanogpt", *TRANSFORMERS]
@@ -125,7 +125,7 @@ def test_what_is_attached_to_a_meta_parameter_is_on_the_live_one_after_setup(mes
 
 
 def test_a_tie_lost_in_setup_is_an_error() -> None:
-    from lightning_shard.ties import check_ties, find_ties
+    from lightning_shard.init.ties import check_ties, find_ties
 
     model = builder("nanogpt")()
     ties = find_ties(model)

@@ -16,13 +16,13 @@ from toy import Block, ToyModel
 import lightning_shard
 from lightning_shard import ShardedStrategy, ShardingConfig
 from lightning_shard.cpu.shm_comms import SharedMemoryAllGather, SharedMemoryReduceScatter
-from lightning_shard.materialize import materialize_sharded_module
+from lightning_shard.init.materialize import materialize_sharded_module
 from lightning_shard.memory import estimate_memory
 from lightning_shard.memory.auto_sharding import choose_sharding
-from lightning_shard.parallelize import parallelize_module
-from lightning_shard.precision import clip_grad_norm
-from lightning_shard.replicated import unshardable_parameters
-from lightning_shard.wrap import candidate_block_classes, plan_units, select_modules
+from lightning_shard.plan.parallelize import parallelize_module
+from lightning_shard.plan.precision import clip_grad_norm
+from lightning_shard.plan.replicated import unshardable_parameters
+from lightning_shard.plan.wrap import candidate_block_classes, plan_units, select_modules
 
 
 def unit_names(model: nn.Module, mesh, **config) -> list[str]:
@@ -388,7 +388,7 @@ def test_forward_reads_follow_aliases_and_ignore_structure_and_metadata() -> Non
 
 
 def _read(model: nn.Module, module: nn.Module) -> str | None:
-    from lightning_shard.forward_reads import modules_read_from_outside
+    from lightning_shard.plan.forward_reads import modules_read_from_outside
 
     return modules_read_from_outside(model).get(id(module))
 

@@ -46,8 +46,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 
-from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.memory.accounting import local_tensor
+from lightning_shard.plan.direct_calls import drop_gathered_parameters
 from lightning_shard.torch_compat import foreach_form, is_persistent_buffer, visible_name
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]

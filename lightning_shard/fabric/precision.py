@@ -1,4 +1,5 @@
-"""``ShardedPrecision`` for Fabric: the shared :class:`~lightning_shard.precision.PrecisionPolicy` (precision string
+"""``ShardedPrecision`` for Fabric: the shared :class:`~lightning_shard.plan.precision.PrecisionPolicy` (precision
+string
 -> FSDP2 ``MixedPrecisionPolicy``, parameter dtype, ``ShardedGradScaler``) on Fabric's ``Precision`` base class.
 
 ``Fabric(precision="bf16-mixed")`` and the other strings map exactly as ``Trainer(precision=...)`` does under the
@@ -17,7 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.precision import PrecisionPolicy
+from lightning_shard.plan.precision import PrecisionPolicy
 
 
 class ShardedPrecision(PrecisionPolicy, Precision):

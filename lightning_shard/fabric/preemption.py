@@ -13,7 +13,8 @@ Inside the ``with`` block ``SIGTERM`` (torchrun, Kubernetes, Lightning's launche
 ``SLURMEnvironment(auto_requeue=True)``, SLURM's requeue signal are only noted by their handlers; ``step_end`` votes
 (the same non-blocking 8-byte all-reduce, read a step later) and, once all ranks agree on a stop, saves ``state`` to
 ``path`` as ``fabric.save`` does, waits until it is published, requeues the SLURM job if asked and raises
-:class:`~lightning_shard.preemption.Preempted` (exit status 75) on every rank. Leaving the block restores the handlers
+:class:`~lightning_shard.trainer.preemption.Preempted` (exit status 75) on every rank. Leaving the block restores the
+handlers
 that were there before. With ``preemption=False`` in the strategy's settings it installs nothing and never stops.
 """
 
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 
-from lightning_shard.preemption import PREEMPTED_EXIT_CODE, StopRequests, stop_after_checkpoint
+from lightning_shard.trainer.preemption import PREEMPTED_EXIT_CODE, StopRequests, stop_after_checkpoint
 
 if TYPE_CHECKING:
     from lightning_shard.fabric.strategy import ShardedStrategy

@@ -1,7 +1,7 @@
 """``ShardedStrategy`` for Lightning Fabric: FSDP2 ``fully_shard`` behind ``Fabric(strategy="fully_sharded")``.
 
 A thin adapter: Fabric's hooks translated into calls of the core the Trainer strategy uses too
-(:class:`~lightning_shard.strategy_core.ShardedStrategyCore`: process group, mesh, the sharding plan, precision
+(:class:`~lightning_shard.core.strategy_core.ShardedStrategyCore`: process group, mesh, the sharding plan, precision
 policy, checkpoint IO). What Fabric calls, in a typical loop:
 
 * ``fabric.launch()`` - ``setup_environment``: process group and device mesh.
@@ -39,18 +39,18 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_shard.core.fused_optimizer import use_fused_kernels
+from lightning_shard.core.settings import StrategySettings
+from lightning_shard.core.strategy_core import ShardedStrategyCore
 from lightning_shard.devices import place_unmanaged_state
-from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
-from lightning_shard.fused_optimizer import use_fused_kernels
-from lightning_shard.init_skip import check_after_load
-from lightning_shard.materialize import meta_construction
-from lightning_shard.parallelize import is_parallelized
-from lightning_shard.precision import clip_grad_norm
-from lightning_shard.settings import StrategySettings
-from lightning_shard.strategy_core import ShardedStrategyCore
+from lightning_shard.init.init_skip import check_after_load
+from lightning_shard.init.materialize import meta_construction
+from lightning_shard.plan.direct_calls import drop_gathered_parameters
+from lightning_shard.plan.parallelize import is_parallelized
+from lightning_shard.plan.precision import clip_grad_norm
 from lightning_shard.torch_compat import visible_name
 
 # The order in which this process set models up (shared by every rank: they run the same program).

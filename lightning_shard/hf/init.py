@@ -1,6 +1,7 @@
 """Hugging Face models built on the meta device, initialised as transformers initialises them.
 
-The rule (it is the first step of :mod:`lightning_shard.materialize`'s): a ``transformers.PreTrainedModel`` in the tree
+The rule (it is the first step of :mod:`lightning_shard.init.materialize`'s): a ``transformers.PreTrainedModel`` in
+the tree
 is initialised where its constructor ended in an eager build (``post_init``), by its own ``_initialize_weights`` /
 ``_init_weights``, module by module in transformers' order (``initialize_weights``: children before parents, nested
 ``PreTrainedModel``\\ s with their own init where their own constructors ended), on full-size tensors of one module at
@@ -12,7 +13,7 @@ transformers' init sees the model **as its constructors built it**: changes made
 ``get_peft_model`` replacing ``q_proj`` by a ``lora.Linear`` that holds the original as ``base_layer``, a user's own
 adapters or heads put into it - are undone around the init and the load (:class:`AsBuilt`), so the original modules
 are initialised (and named, for the files) as in an eager build, and the modules a wrapper added are left to their own
-library's init (replayed by :mod:`lightning_shard.materialize`: peft's LoRA A ``kaiming_uniform_``, B zero).
+library's init (replayed by :mod:`lightning_shard.init.materialize`: peft's LoRA A ``kaiming_uniform_``, B zero).
 
 An eager build draws twice: each constructor's torch init (``nn.Linear.reset_parameters``, GPT-2's ``Conv1D``) and
 then transformers' init in ``post_init``. On the meta device transformers skips its init and the constructors' draws
@@ -36,15 +37,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.construction import ABSENT, ConstructionLog, HolderKey, Registration, written_storages
 from lightning_shard.hf.pretrained import (
     explain_meta_from_pretrained,
     load_pretrained_shards,
     planned_load,
     planned_names,
 )
-from lightning_shard.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
-from lightning_shard.ties import replaced_after
+from lightning_shard.init.construction import ABSENT, ConstructionLog, HolderKey, Registration, written_storages
+from lightning_shard.init.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
+from lightning_shard.init.ties import replaced_after
 from lightning_shard.torch_compat import storage_key
 
 
@@ -134,7 +135,7 @@ def _put(parent: nn.Module, table: str, name: str, value: Any) -> None:
 
 
 class TransformersLibrary:
-    """transformers' models for :mod:`lightning_shard.materialize` (registered on import of this module).
+    """transformers' models for :mod:`lightning_shard.init.materialize` (registered on import of this module).
 
     Example:
         >>> TransformersLibrary().claim(nn.Linear(2, 2), [])

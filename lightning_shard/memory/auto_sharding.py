@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import WeightAveragingPlace, estimate_memory
 from lightning_shard.memory.units import count_parameters
+from lightning_shard.plan.config import GradientAccumulation
 from lightning_shard.tensor_parallel import TensorParallelPlan
 
 GIB = 2**30

@@ -20,7 +20,7 @@ parameters of the largest wrap unit):
 * ``cpu_offload`` moves the sharded parameters, gradients and optimizer states to host memory; the gathered units and
   activations stay on the device.
 * parameters ``fully_shard`` cannot shard (0-d such as CLIP's ``logit_scale``, non-contiguous) are kept whole on every
-  rank (:mod:`lightning_shard.replicated`): ``p``, ``g`` and ``k × p`` B each, undivided, on the device also under
+  rank (:mod:`lightning_shard.plan.replicated`): ``p``, ``g`` and ``k × p`` B each, undivided, on the device also under
   ``cpu_offload``.
 * gradient accumulation over ``k = accumulate_grad_batches`` micro-batches: by default (``gradient_accumulation=
   "sharded"``) every micro-batch is reduce-scattered into the sharded gradients, which costs nothing more. With
@@ -42,7 +42,7 @@ parameters of the largest wrap unit):
   kernels, what the example GPT, transformers' ``"sdpa"`` and litgpt use) keeps none of it, so it is counted only with
   ``fused_attention=False`` (eager attention). With activation checkpointing (``activation_checkpointing=True`` or
   ``"full"``) each layer keeps only its input, ``2·s·b·h`` (16-bit), plus one layer recomputed in full; with
-  ``"selective"`` (the per-op policy of :mod:`lightning_shard.activation_checkpointing`) also the outputs it saves,
+  ``"selective"`` (the per-op policy of :mod:`lightning_shard.plan.activation_checkpointing`) also the outputs it saves,
   the first and third of a GPT block's four matmuls (qkv ``3h``, MLP in ``4h``) and attention's (``h``), split over
   the tensor-parallel ranks: ``2·s·b·h·(1 + 8/t)`` per layer, plus one layer recomputed in full. Plus ``4·s·b·V`` for
   the fp32 logits fed to the loss. Zero unless ``n_layer``, ``n_embd``, ``n_head`` and ``seq_len`` are given. All of
@@ -84,11 +84,11 @@ from typing import Any, Literal, get_args
 
 from torch import nn
 
-from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
 from lightning_shard.memory.units import checkpointing_mode, count_parameters, mesh_shape, replicated_parameter_counts
-from lightning_shard.precision import PRECISION_ALIASES
+from lightning_shard.plan.config import GradientAccumulation
+from lightning_shard.plan.precision import PRECISION_ALIASES
 from lightning_shard.tensor_parallel import TensorParallelPlan, split_parameters
 
 GIB = 2**30

@@ -34,7 +34,6 @@ from typing import Any, get_args
 import torch
 import yaml
 
-from lightning_shard.config import GradientAccumulation
 from lightning_shard.memory.estimate import (
     GIB,
     MemoryEstimate,
@@ -43,6 +42,7 @@ from lightning_shard.memory.estimate import (
     gpt_parameter_count,
 )
 from lightning_shard.memory.units import count_parameters
+from lightning_shard.plan.config import GradientAccumulation
 
 _GPT_DIMS = ("n_layer", "n_embd", "vocab_size", "block_size")
 # What `estimate_from_config` returns besides the `estimate_memory` keyword arguments.

@@ -2,7 +2,7 @@
 
 No real storage is ever allocated, whatever the model's size: the model is built on the meta device (as the
 strategy's ``model_sharded_context`` does for ``configure_model()``), then checkpointed, sharded and materialised by
-the strategy's own :func:`~lightning_shard.parallelize.parallelize_module` inside ``FakeTensorMode``, so every
+the strategy's own :func:`~lightning_shard.plan.parallelize.parallelize_module` inside ``FakeTensorMode``, so every
 parameter, gradient, optimizer state, activation and input is a fake tensor (shape, dtype and device; no data). The
 process group is torch's fake one of the requested size; ``FSDPMemTracker`` records the bytes one rank would hold,
 by category, at the peak. The 13B GPT on 8 ranks simulates in 82 s on 2 shared CPU cores with 0.38 GiB of peak RSS
@@ -43,14 +43,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 
-from lightning_shard.config import ShardingConfig
-from lightning_shard.materialize import meta_construction
+from lightning_shard.init.materialize import meta_construction
 from lightning_shard.memory.accounting import unsharded_gradients
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.process_memory import host_memory
 from lightning_shard.memory.units import ParameterCounts, checkpointing_mode, count_parameters
-from lightning_shard.parallelize import parallelize_module
-from lightning_shard.precision import ShardedPrecision
+from lightning_shard.plan.config import ShardingConfig
+from lightning_shard.plan.parallelize import parallelize_module
+from lightning_shard.plan.precision import ShardedPrecision
 from lightning_shard.torch_compat import memory_simulation_tools, tree_leaves
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field. "Unsharded Grad" is a

@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from lightning_shard.config import ShardingConfig
-from lightning_shard.replicated import unshardable_parameters
+from lightning_shard.plan.config import ShardingConfig
+from lightning_shard.plan.replicated import unshardable_parameters
 
 
 def wrap_units(module: nn.Module) -> list[nn.Module]:
@@ -66,7 +66,7 @@ def count_parameters(module: nn.Module, split: Collection[int] = (), tensor_para
 
 def replicated_parameter_counts(module: nn.Module) -> tuple[int, int]:
     """``(all, trainable)`` elements of the parameters kept whole on every rank because ``fully_shard`` cannot shard
-    them (0-d, non-contiguous; see :mod:`lightning_shard.replicated`).
+    them (0-d, non-contiguous; see :mod:`lightning_shard.plan.replicated`).
 
     Example:
         >>> import torch

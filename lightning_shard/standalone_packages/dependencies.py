@@ -8,9 +8,9 @@ names that behave alike whichever copy of Lightning they come from.
 
 Example:
     >>> analysis = framework_use()
-    >>> "lightning_shard.strategy" in analysis.modules_using_framework()
+    >>> "lightning_shard.trainer.strategy" in analysis.modules_using_framework()
     True
-    >>> "lightning_shard.materialize" in analysis.modules_using_framework()  # one registry of libraries for both
+    >>> "lightning_shard.init.materialize" in analysis.modules_using_framework()  # one registry of libraries for both
     False
 """
 
@@ -179,7 +179,7 @@ def framework_use() -> FrameworkUse:
     """The analysis of this package's installed source (read once per process).
 
     Example:
-        >>> framework_use().statements_using_framework("lightning_shard.config")
+        >>> framework_use().statements_using_framework("lightning_shard.plan.config")
         []
     """
     return FrameworkUse(package_modules())

@@ -3,7 +3,7 @@ under that name, and a hook that loads the namespace when ``pytorch_lightning`` 
 
 A standalone module starts as the unified module's namespace (the same objects: functions, classes, registries,
 state), minus its submodules; then the statements that use the framework run again on top of it from the same source
-file, with their imports renamed (:mod:`.rewrite`). So ``lightning_shard.standalone.strategy.ShardedStrategy``
+file, with their imports renamed (:mod:`.rewrite`). So ``lightning_shard.standalone.trainer.strategy.ShardedStrategy``
 subclasses ``pytorch_lightning``'s classes, while, say, ``ShardingConfig`` is one class for both packages.
 
 Example:

@@ -45,7 +45,8 @@ def lightning_package(cls: type) -> str | None:
 
 
 def _public_name(cls: type) -> str:
-    """``lightning_shard.ShardedStrategy`` rather than ``lightning_shard.strategy.ShardedStrategy`` where exported."""
+    """``lightning_shard.ShardedStrategy`` rather than ``lightning_shard.trainer.strategy.ShardedStrategy`` where
+    exported."""
     parts = cls.__module__.split(".")
     for end in range(1, len(parts) + 1):
         module = sys.modules.get(".".join(parts[:end]))

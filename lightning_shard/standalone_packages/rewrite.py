@@ -73,8 +73,8 @@ def rewrite_imports(tree: ast.Module, module_name: str) -> ast.Module:
     """``tree`` with each import of ``lightning.pytorch``, ``lightning.fabric`` and this package renamed (in place).
 
     Example:
-        >>> ast.unparse(rewrite_imports(ast.parse("from lightning_shard.strategy import X"), "m"))
-        'from lightning_shard.standalone.strategy import X'
+        >>> ast.unparse(rewrite_imports(ast.parse("from lightning_shard.trainer.strategy import X"), "m"))
+        'from lightning_shard.standalone.trainer.strategy import X'
     """
     names_lightning_attributes = any(
         isinstance(node, ast.Attribute)

@@ -4,7 +4,7 @@ of one tensor-parallel group, and how (``ShardedStrategy(tensor_parallel_size=k,
 :mod:`~lightning_shard.tensor_parallel.plan` holds the plan forms and their checks and applies them;
 :mod:`~lightning_shard.tensor_parallel.lora` makes peft's LoRA adapters follow their base layer's plan;
 :mod:`~lightning_shard.tensor_parallel.litgpt` is litgpt's plan.
-:func:`~lightning_shard.parallelize.parallelize_module` calls :func:`apply_tensor_parallel_plan` first, before
+:func:`~lightning_shard.plan.parallelize.parallelize_module` calls :func:`apply_tensor_parallel_plan` first, before
 activation checkpointing, compile and ``fully_shard`` (torchtitan's order).
 """
 

@@ -13,9 +13,9 @@ from typing import Any, Literal, get_args
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lightning_shard.activation_checkpointing import SELECTIVE, resolve_ops
+from lightning_shard.plan.activation_checkpointing import SELECTIVE, resolve_ops
+from lightning_shard.plan.wrap import WrapPolicy, validate_policy
 from lightning_shard.tensor_parallel.plan import TensorParallelPlan, check_tensor_parallel_settings
-from lightning_shard.wrap import WrapPolicy, validate_policy
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "auto"]
 StateDictType = Literal["sharded", "full"]
@@ -30,7 +30,8 @@ DATA_PARALLEL_DIM = "data_parallel"
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    """What to shard and how; the strategy applies it, :func:`~lightning_shard.parallelize.parallelize_module` reads it.
+    """What to shard and how; the strategy applies it, :func:`~lightning_shard.plan.parallelize.parallelize_module`
+    reads it.
 
     Example:
         >>> ShardingConfig(sharding_strategy="SHARD_GRAD_OP").unit_reshard_after_forward

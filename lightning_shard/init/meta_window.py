@@ -3,7 +3,8 @@
 Between ``fabric.init_module(empty_init=True)`` (or ``configure_model()``) and setup, code may still act on the meta
 tensors: litgpt's pretraining script overrides each module's ``reset_parameters`` with the GPT-NeoX init and calls them,
 users call ``model.apply(init)`` or tie weights. On the meta device that computes nothing, so it must be recorded to be
-replayed. So :func:`meta_window` starts a recording (:class:`~lightning_shard.construction.Recording`) that outlives
+replayed. So :func:`meta_window` starts a recording (:class:`~lightning_shard.init.construction.Recording`) that
+outlives
 its block: at the block's end it steps aside while the meta device's context leaves, then records on (the ops on meta
 tensors, the random draws, the registrations) until :func:`end_meta_window` - called where setup starts sharding, or
 when the next model is started on the meta device, or when ``fully_shard`` or ``parallelize_module`` is called on
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_shard.construction import Recording, construction_logs
+from lightning_shard.init.construction import Recording, construction_logs
 from lightning_shard.torch_compat import visible_name
 
 _OPEN: list[Recording] = []  # the recording still open after its block, at most one

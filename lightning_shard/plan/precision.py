@@ -215,7 +215,7 @@ def clip_grad_norm(
     torch's norm functions take DTensor gradients of one mesh and reduce the per-shard norms to the norm of the full
     gradient. Under tensor parallelism the gradients live on two meshes - the (data-parallel x tensor-parallel) mesh
     of the split layers and the data-parallel mesh of the rest - and the gradients of replicated parameters
-    (:mod:`lightning_shard.replicated`) are plain tensors, whole and equal on every rank. So the norm is taken per
+    (:mod:`lightning_shard.plan.replicated`) are plain tensors, whole and equal on every rank. So the norm is taken per
     mesh (the plain ones locally), each reduced over its mesh, and those norms are combined (the norm of the norms):
     every element counted once, over both dimensions.
 

@@ -25,16 +25,17 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.activation_checkpointing import SELECTIVE, selective_context_fn
-from lightning_shard.attached import AttachedState
-from lightning_shard.config import TENSOR_PARALLEL_DIM, ShardingConfig
 from lightning_shard.devices import materialization_devices
-from lightning_shard.direct_calls import gather_root_for_direct_calls
-from lightning_shard.materialize import has_meta_tensors, materialize_sharded_module
-from lightning_shard.meta_window import end_meta_window, refuse_changes_after_recording
-from lightning_shard.replicated import replicate_unshardable_parameters, unshardable_parameters
+from lightning_shard.init.attached import AttachedState
+from lightning_shard.init.materialize import has_meta_tensors, materialize_sharded_module
+from lightning_shard.init.meta_window import end_meta_window, refuse_changes_after_recording
+from lightning_shard.init.ties import Tie, check_ties, find_ties
+from lightning_shard.plan.activation_checkpointing import SELECTIVE, selective_context_fn
+from lightning_shard.plan.config import TENSOR_PARALLEL_DIM, ShardingConfig
+from lightning_shard.plan.direct_calls import gather_root_for_direct_calls
+from lightning_shard.plan.replicated import replicate_unshardable_parameters, unshardable_parameters
+from lightning_shard.plan.wrap import plan_units
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
-from lightning_shard.ties import Tie, check_ties, find_ties
 from lightning_shard.torch_compat import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
@@ -43,7 +44,6 @@ from lightning_shard.torch_compat import (
     checkpoint_wrapper,
     visible_name,
 )
-from lightning_shard.wrap import plan_units
 
 
 def parallelize_module(
@@ -261,7 +261,8 @@ def _apply_activation_checkpointing(
     model: nn.Module, modules: list[nn.Module], context_fn: Callable[[], Any] | None
 ) -> dict[int, nn.Module]:
     """Wrap ``modules`` in torch's non-reentrant ``checkpoint_wrapper``; map each module's id to its wrapper.
-    ``context_fn``: selective checkpointing's per-op policy (:mod:`lightning_shard.activation_checkpointing`); without
+    ``context_fn``: selective checkpointing's per-op policy (:mod:`lightning_shard.plan.activation_checkpointing`);
+    without
     it the whole module is recomputed.
 
     The wrapper adds ``_checkpoint_wrapped_module`` to parameter names; state dicts taken through

@@ -10,14 +10,15 @@ device, and the whole model never exists on a rank. Who initialises what:
    :func:`register_library`) claims the models built by its constructors, as they were built - a wrapper's own
    modules inside them (peft's LoRA adapters) are not theirs - and initialises them where their constructors ended.
 2. Every other tensor built under a recording gets what its construction did to it
-   (:mod:`lightning_shard.construction`), replayed exactly (:mod:`lightning_shard.replay`): every op, including those
+   (:mod:`lightning_shard.init.construction`), replayed exactly (:mod:`lightning_shard.init.replay`): every op,
+   including those
    computing a tensor from others (a rotary table from ``arange``, layer scale ``init_values * torch.ones(dim)``, a
    cast, a deep copy), and the random generator's seeds and restores.
 3. A module built on the meta device outside any recording (``nn.Linear(..., device="meta")``, your own
    ``torch.device("meta")`` block) runs its ``reset_parameters()`` first, in ``model.modules()`` order; without one it
    is an error naming it. Tensors built for real keep their values (rank 0's).
 
-Then the safety net that does not rest on the recorder (:mod:`lightning_shard.unset`): every tensor allocated here
+Then the safety net that does not rest on the recorder (:mod:`lightning_shard.init.unset`): every tensor allocated here
 starts as a sentinel, and one that nothing wrote is an error naming it - never uninitialised memory.
 
 DTensor's own random ops cannot give this: on the CPU each rank would draw its shard from its local generator.
@@ -40,7 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.construction import (
+from lightning_shard.init.construction import (
     ConstructionLog,
     HolderKey,
     Op,
@@ -48,9 +49,9 @@ from lightning_shard.construction import (
     construction_logs,
     forget_construction,
 )
-from lightning_shard.init_skip import defer_check, loaded_keys, restricted_needs
-from lightning_shard.meta_window import end_meta_window, meta_window
-from lightning_shard.replay import (
+from lightning_shard.init.init_skip import defer_check, loaded_keys, restricted_needs
+from lightning_shard.init.meta_window import end_meta_window, meta_window
+from lightning_shard.init.replay import (
     Overwrite,
     Replay,
     callers_random_state_kept,
@@ -58,10 +59,10 @@ from lightning_shard.replay import (
     strided,
     write_shards,
 )
-from lightning_shard.skipped_draws import SKIPPED
-from lightning_shard.ties import find_ties, retie
+from lightning_shard.init.skipped_draws import SKIPPED
+from lightning_shard.init.ties import find_ties, retie
+from lightning_shard.init.unset import fill_unset, holds_unset, uninitialized_memory_filled
 from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
-from lightning_shard.unset import fill_unset, holds_unset, uninitialized_memory_filled
 
 _CPU = torch.device("cpu")
 
@@ -73,7 +74,7 @@ class LibraryStep:
     Attributes:
         position: where an eager build ran it, in the construction log (``math.inf``: not built under a recording).
         run: the initialisation, on every rank, given the materialiser's :class:`FullSizeParameters`.
-        sets: the tensors it sets whole (:data:`~lightning_shard.construction.HolderKey`\\ s); the model's other
+        sets: the tensors it sets whole (:data:`~lightning_shard.init.construction.HolderKey`\\ s); the model's other
             tensors keep what their construction gave them.
     """
 
@@ -88,7 +89,8 @@ class LibraryModel:
 
     Attributes:
         module: the model (its place in ``modules()`` orders it when it was not built under a recording).
-        tensors: the model's tensors (:data:`~lightning_shard.construction.HolderKey`\\ s): held outside it, they are
+        tensors: the model's tensors (:data:`~lightning_shard.init.construction.HolderKey`\\ s): held outside it, they
+        are
             refused.
         constructions: ids of the modules whose constructors' random draws are the library's to account for.
         replays_draws: whether those draws advance the stream, as in an eager build (not for a model whose weights are
@@ -141,7 +143,8 @@ def has_meta_tensors(module: nn.Module) -> bool:
 def meta_construction() -> Iterator[None]:
     """Create modules on the meta device, to be materialised after sharding by :func:`materialize_sharded_module`.
 
-    Records what construction does to each tensor (:mod:`lightning_shard.construction`), so that materialisation can
+    Records what construction does to each tensor (:mod:`lightning_shard.init.construction`), so that materialisation
+    can
     match an eager build, inside each registered library's construction context.
 
     Example:
@@ -245,7 +248,7 @@ def _joined(prefix: str, name: str) -> str:
 def _refuse_unwritten(
     allocated: list[tuple[str, nn.Module, str, str]], replayed: dict[int, bool], by_load: bool = False
 ) -> None:
-    """The safety net (:mod:`lightning_shard.unset`): a tensor the replay found depending on unwritten memory
+    """The safety net (:mod:`lightning_shard.init.unset`): a tensor the replay found depending on unwritten memory
     (``replayed``: id of each live tensor it wrote -> whether every element was written), or one that something else
     initialised and that still holds the sentinel, was written by nothing. Every rank checks its shards, then all raise
     the same error. Fake tensors (the memory simulation) have no values to check."""
@@ -353,7 +356,7 @@ class _InitPlan:
 
     def leave_to_load(self, loaded: set[HolderKey]) -> None:
         """Replay only what the tensors not ``loaded`` need: a storage that the load writes whole (every tensor
-        holding it) is no target (:mod:`lightning_shard.init_skip`)."""
+        holding it) is no target (:mod:`lightning_shard.init.init_skip`)."""
         targets = {s for s, keys in self.keys_by_storage.items() if not set(keys) <= loaded}
         self.scope, self.draws = restricted_needs(self.ops, targets, self._draws)
         self.needed = self.scope.needed
@@ -488,7 +491,7 @@ def _class_name(module: nn.Module) -> str:
 class FullSizeParameters:
     """Swaps a module's sharded (DTensor) parameters for full-size plain ones on the CPU while its initialisation runs
     (a library's init, a ``reset_parameters()``: they draw from the CPU generator, as in an eager build), then copies
-    each rank's shard back. The full-size tensors start as the sentinel (:mod:`lightning_shard.unset`). A parameter
+    each rank's shard back. The full-size tensors start as the sentinel (:mod:`lightning_shard.init.unset`). A parameter
     shared with a module initialised earlier (tied weights), or one left on the meta device (not part of the sharded
     model), gets a scratch tensor that is dropped.
 

@@ -14,7 +14,8 @@ computes nothing. :func:`record_construction` notes, in program order:
   ``set_rng_state`` and ``fork_rng`` by any name, found by comparing the generator's state before each op;
 * each registration of a submodule, parameter or buffer, with the modules whose constructors were running.
 
-:mod:`lightning_shard.replay` replays the ops on real tensors after sharding, in the same order and from the same random
+:mod:`lightning_shard.init.replay` replays the ops on real tensors after sharding, in the same order and from the same
+random
 stream, so the weights equal an eager build whatever code initialised them.
 """
 
@@ -40,8 +41,8 @@ from torch.nn.modules.module import (
 )
 from torch.overrides import TorchFunctionMode
 
-from lightning_shard.recorded_inputs import GeneratorAt, RealValue
-from lightning_shard.skipped_draws import SKIPPED, generator_of
+from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
+from lightning_shard.init.skipped_draws import SKIPPED, generator_of
 from lightning_shard.torch_compat import (
     TorchDispatchMode,
     draws_random_numbers,
@@ -260,7 +261,7 @@ class Recording:
     """A recording in progress (see module docstring): :meth:`start`, then :meth:`stop` (:func:`record_construction`
     is the scoped form). Between them it can step aside (:meth:`pause`, :meth:`resume`) so that a context entered
     before it (the meta device) can leave first: a model stays recorded after its build until it is set up
-    (:mod:`lightning_shard.meta_window`).
+    (:mod:`lightning_shard.init.meta_window`).
 
     Example:
         >>> recording = Recording().start()
@@ -525,7 +526,7 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
     def owe(self, op: Op) -> None:
-        """Note a draw skipped on the meta device (see :mod:`lightning_shard.skipped_draws`)."""
+        """Note a draw skipped on the meta device (see :mod:`lightning_shard.init.skipped_draws`)."""
         if self.owes_draws and op.random:
             SKIPPED.add(generator_of((op.args, op.kwargs)), op)
 

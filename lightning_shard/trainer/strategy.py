@@ -7,7 +7,8 @@ materialisation, optimizers), then training with ``block_backward_sync`` around 
 ``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. ``setup_environment`` also gives
 Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ...) their sharded copy
 (:mod:`lightning_shard.averaging`). What it shares with the Fabric front-end
-(:class:`lightning_shard.fabric.ShardedStrategy`) lives in :class:`~lightning_shard.strategy_core.ShardedStrategyCore`.
+(:class:`lightning_shard.fabric.ShardedStrategy`) lives in
+:class:`~lightning_shard.core.strategy_core.ShardedStrategyCore`.
 """
 
 from __future__ import annotations
@@ -43,29 +44,29 @@ from lightning_shard.averaging.callbacks import (
     with_averaged_copy_entry,
 )
 from lightning_shard.checkpoint.layout import LAYOUT_KEY
-from lightning_shard.checkpoint.model_checkpoint import link_when_published
-from lightning_shard.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
+from lightning_shard.core.fused_optimizer import use_fused_kernels
+from lightning_shard.core.settings import StrategySettings
+from lightning_shard.core.strategy_core import ShardedStrategyCore
+from lightning_shard.core.undo import UndoLog
 from lightning_shard.devices import place_unmanaged_state
-from lightning_shard.direct_calls import drop_gathered_parameters
-from lightning_shard.fused_optimizer import use_fused_kernels
 from lightning_shard.hf.frozen_weights import (
     RECORD_KEY,
     checkpoint_record,
     frozen_pretrained_weights,
     names_to_skip_on_resume,
 )
-from lightning_shard.init_skip import check_after_load, loaded_after_setup, trainer_checkpoint_names
-from lightning_shard.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
-from lightning_shard.materialize import meta_construction
-from lightning_shard.parallelize import is_parallelized
-from lightning_shard.precision import ShardedPrecision
-from lightning_shard.preemption import add_strategy_preemption
-from lightning_shard.settings import StrategySettings
-from lightning_shard.strategy_core import ShardedStrategyCore
+from lightning_shard.init.init_skip import check_after_load, loaded_after_setup, trainer_checkpoint_names
+from lightning_shard.init.materialize import meta_construction
+from lightning_shard.plan.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
+from lightning_shard.plan.direct_calls import drop_gathered_parameters
+from lightning_shard.plan.parallelize import is_parallelized
+from lightning_shard.plan.precision import ShardedPrecision
+from lightning_shard.plan.wrap import WrapPolicy
 from lightning_shard.tensor_parallel import TensorParallelPlan
 from lightning_shard.tensor_parallel.loss import local_outputs, uses_loss_parallel
-from lightning_shard.undo import UndoLog
-from lightning_shard.wrap import WrapPolicy
+from lightning_shard.trainer.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
+from lightning_shard.trainer.model_checkpoint import link_when_published
+from lightning_shard.trainer.preemption import add_strategy_preemption
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -107,7 +108,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             model included. See :mod:`lightning_shard.hf.frozen_weights`.
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
-            strategy adds :class:`~lightning_shard.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and SLURM's
+            strategy adds :class:`~lightning_shard.trainer.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and
+            SLURM's
             requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks agree on,
             with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
             ``False``: Lightning's own signal handling.
@@ -141,7 +143,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             ``save_distributed_checkpoint``, ``device_mesh=(replicas, shard_size)``) are translated, as are FSDP1
             values (``ShardingStrategy`` enums, ``CPUOffload``, ``ModuleWrapPolicy``, ...); those without an FSDP2
             meaning (``mixed_precision``, ``use_orig_params``, ...) are refused with the replacement. See
-            :mod:`lightning_shard.fsdp1_compat`.
+            :mod:`lightning_shard.plan.fsdp1_compat`.
 
     Example:
         >>> import lightning as L

@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.undo import UndoLog
+from lightning_shard.core.undo import UndoLog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_shard.config import ShardingConfig
+from lightning_shard.plan.config import ShardingConfig
 
 # The ShardingConfig fields a run applies to the model itself, not to the sharded plan.
 _PER_RUN = frozenset(

@@ -1,6 +1,6 @@
 """A rank's shard of a full-size tensor, cut on the host: materialisation never puts a whole tensor on the GPU.
 
-The replay computes each tensor whole on the CPU (:mod:`lightning_shard.replay`). ``distribute_tensor`` would move
+The replay computes each tensor whole on the CPU (:mod:`lightning_shard.init.replay`). ``distribute_tensor`` would move
 that whole tensor to the mesh's device first (on CUDA a full-size device copy, per rank, of the largest tensor: the
 embedding of a 70B model is 2 GiB in fp32) and split it there; here each rank slices its chunk on the host and copies
 only that to its shard, whatever the placements (the chunk DCP reads and writes for the DTensor).

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard.checkpoint.io import ShardedCheckpointIO
 from lightning_shard.checkpoint.publish import restore_interrupted_in
-from lightning_shard.undo import UndoLog
+from lightning_shard.core.undo import UndoLog
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -14,10 +14,10 @@ The user describes the modules in one of the forms fairseq, Hugging Face Acceler
 Whatever the policy, a module that cannot be a unit is left to the unit around it: a container without ``forward``
 (``fully_shard`` refuses it) and a module whose insides an enclosing module's code reads without calling it
 (``nn.MultiheadAttention`` hands ``self.out_proj.weight`` to its attention function; FSDP2 gathers a unit's
-parameters only around its own call; see :mod:`lightning_shard.forward_reads`). ``"auto"`` leaves them out quietly;
+parameters only around its own call; see :mod:`lightning_shard.plan.forward_reads`). ``"auto"`` leaves them out quietly;
 a policy that names them gets a warning saying which and why (:func:`plan_units`). When the selected modules become
 FSDP units (``shards=True``), a module holding one end of a tied parameter but not the other is one more that cannot
-be a unit (:mod:`lightning_shard.ties`): ``"auto"`` leaves it in the unit around it, any other policy is an error.
+be a unit (:mod:`lightning_shard.init.ties`): ``"auto"`` leaves it in the unit around it, any other policy is an error.
 
 Everything here is a pure function of the model and the policy, so it is tested without processes.
 """
@@ -31,9 +31,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_shard.forward_reads import has_own_forward, modules_read_from_outside
-from lightning_shard.fsdp1_compat import is_fsdp1_policy
-from lightning_shard.ties import modules_splitting_ties, refuse_split_ties
+from lightning_shard.init.ties import modules_splitting_ties, refuse_split_ties
+from lightning_shard.plan.forward_reads import has_own_forward, modules_read_from_outside
+from lightning_shard.plan.fsdp1_compat import is_fsdp1_policy
 
 WrapPolicy = str | int | type | Iterable[Any] | Callable[[nn.Module], bool] | None
 

@@ -1,6 +1,6 @@
 """Lightning's launchers for the sharded strategy: the spawn/fork one taught to hand sharded weights back to the main
 process, and both putting back interrupted checkpoints before Lightning looks for one to resume from, and noting the
-one it selects (for the strategy's setup, :mod:`lightning_shard.init_skip`)."""
+one it selects (for the strategy's setup, :mod:`lightning_shard.init.init_skip`)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
-from lightning_shard.checkpoint.model_checkpoint import restore_checkpoint_folders
-from lightning_shard.init_skip import resume_path_noted
+from lightning_shard.init.init_skip import resume_path_noted
 from lightning_shard.standalone_packages.mixing import check_one_lightning
+from lightning_shard.trainer.model_checkpoint import restore_checkpoint_folders
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -4,8 +4,8 @@ Lightning has two front-ends with a ``ParallelStrategy`` each - the Trainer's (`
 (``lightning.fabric``) - whose hooks differ (a ``LightningModule`` and its loops against a ``state`` dict and the
 user's loop) but whose plumbing is the same: ranks, process group, device mesh, collectives, the checkpoint IO. The
 two ``ShardedStrategy`` classes put this mixin in front of their framework's base class and keep only the hooks
-that differ; the sharding itself (:func:`~lightning_shard.parallelize.parallelize_module`), the precision rules
-(:class:`~lightning_shard.precision.PrecisionPolicy`) and the checkpoint machinery
+that differ; the sharding itself (:func:`~lightning_shard.plan.parallelize.parallelize_module`), the precision rules
+(:class:`~lightning_shard.plan.precision.PrecisionPolicy`) and the checkpoint machinery
 (:class:`~lightning_shard.checkpoint.ShardedCheckpointIO`) are called from here, never copied into an adapter.
 """
 
@@ -38,21 +38,21 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
 from torch.optim import Optimizer
 
-from lightning_shard.activation_checkpointing import SELECTIVE
-from lightning_shard.buffers import broadcast_buffers
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.config import DATA_PARALLEL_DIM, ShardingConfig
+from lightning_shard.core.buffers import broadcast_buffers
+from lightning_shard.core.settings import StrategySettings
+from lightning_shard.core.sharded_with import check_same_sharding, record_sharding, sharded_mesh
+from lightning_shard.core.undo import UndoLog
 from lightning_shard.devices import collective_device, process_group_backend_for
-from lightning_shard.direct_calls import drop_gathered_parameters
 from lightning_shard.memory.auto_sharding import choose_sharding, device_memory_bytes
-from lightning_shard.parallelize import parallelize_module
-from lightning_shard.precision import PrecisionPolicy
-from lightning_shard.replicated import set_gradient_sync
-from lightning_shard.settings import StrategySettings
-from lightning_shard.sharded_with import check_same_sharding, record_sharding, sharded_mesh
+from lightning_shard.plan.activation_checkpointing import SELECTIVE
+from lightning_shard.plan.config import DATA_PARALLEL_DIM, ShardingConfig
+from lightning_shard.plan.direct_calls import drop_gathered_parameters
+from lightning_shard.plan.parallelize import parallelize_module
+from lightning_shard.plan.precision import PrecisionPolicy
+from lightning_shard.plan.replicated import set_gradient_sync
 from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
-from lightning_shard.undo import UndoLog
 
 TBroadcast = TypeVar("TBroadcast")
 TPrecision = TypeVar("TPrecision", bound=PrecisionPolicy)
@@ -254,7 +254,7 @@ class ShardedStrategyCore:
     def _keep_sharding(self, module: nn.Module, precision: Any) -> None:
         """A model sharded by an earlier run (a second ``fit``, another Trainer or Fabric): go on with its sharding
         if this run's settings are the ones it was sharded with, else stop before any work (see
-        :mod:`lightning_shard.sharded_with`)."""
+        :mod:`lightning_shard.core.sharded_with`)."""
         self.config = check_same_sharding(module, self.config, precision)
 
     def _apply_run_settings(self) -> None:
@@ -332,7 +332,7 @@ class ShardedStrategyCore:
             if model is not None:
                 # A call made between backward and the step (a callback) left gathered copies of the old values.
                 drop_gathered_parameters(model)
-                broadcast_buffers(model)  # rank 0's, as DDP: see lightning_shard.buffers
+                broadcast_buffers(model)  # rank 0's, as DDP: see lightning_shard.core.buffers
         if self._heap_trimmer is not None and self.root_device.type == "cpu":
             # The step's transient buffers are free now; without a trim now and then the CPU heap's peak creeps up.
             self._heap_trimmer.step()

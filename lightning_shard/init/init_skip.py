@@ -3,14 +3,15 @@
 ``fit(ckpt_path=...)`` (also ``"last"``, ``"hpc"`` and the requeue relaunch that resumes from the newest checkpoint),
 ``validate`` / ``test`` / ``predict(ckpt_path=...)``: Lightning restores the checkpoint right after the strategy's
 ``setup``, which materialises the model. Replaying the model's construction there (every random draw of the whole
-model, :mod:`lightning_shard.replay`) would be work the load throws away. So the strategy learns which checkpoint
+model, :mod:`lightning_shard.init.replay`) would be work the load throws away. So the strategy learns which checkpoint
 Lightning selected (:func:`resume_path_noted`, around the launch), reads which model tensors it holds from its
 metadata (:func:`checkpoint_model_names`: no tensor is read), and materialisation replays only what the other tensors
 need (:func:`restricted_needs`): nothing at all for a complete checkpoint; for a partial one (a new head,
 ``strict_loading=False``) the ops those tensors depend on, and the random draws up to the last of them, so they still
 equal the eager build.
 
-The safety net keeps its promise (:mod:`lightning_shard.unset`): the tensors left to the load keep the sentinel until
+The safety net keeps its promise (:mod:`lightning_shard.init.unset`): the tensors left to the load keep the sentinel
+until
 the load; :func:`check_after_load` (called by the strategy after it loaded the checkpoint) names any the load did not
 write, as the check after the replay names those nothing wrote.
 """
@@ -34,8 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from lightning_shard.checkpoint.io import _recorded_layout
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-from lightning_shard.construction import HolderKey, Op
-from lightning_shard.replay import Overwrite, needed_ops
+from lightning_shard.init.construction import HolderKey, Op
+from lightning_shard.init.replay import Overwrite, needed_ops
 from lightning_shard.torch_compat import visible_name
 
 if TYPE_CHECKING:
@@ -187,7 +188,7 @@ class ReplayScope:
     """What the replay runs for the target storages alone (:func:`restricted_needs`).
 
     Attributes:
-        needed: ``seq`` of the ops whose results are kept (as :func:`~lightning_shard.replay.needed_ops`).
+        needed: ``seq`` of the ops whose results are kept (as :func:`~lightning_shard.init.replay.needed_ops`).
         before: the storages needed from before the first op.
         last: the position of the last op the targets' values depend on; nothing after it runs.
         stream_until: the position of the last needed op that draws (a random op, or a library's init, which may

@@ -2,7 +2,7 @@
 
 Both front-ends accept the same names: :class:`~lightning_shard.ShardingConfig`'s fields (what to shard and how),
 the process-group and checkpoint settings below, and Lightning ``FSDPStrategy`` / FSDP1 spellings, which
-:mod:`lightning_shard.fsdp1_compat` translates or refuses. Every check runs when the strategy is built, before any
+:mod:`lightning_shard.plan.fsdp1_compat` translates or refuses. Every check runs when the strategy is built, before any
 process starts.
 """
 
@@ -16,9 +16,9 @@ from typing import Any, Literal, get_args
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
-from lightning_shard.config import ShardingConfig
-from lightning_shard.fsdp1_compat import translate_fsdp_strategy_arguments
-from lightning_shard.precision import check_reduce_dtype
+from lightning_shard.plan.config import ShardingConfig
+from lightning_shard.plan.fsdp1_compat import translate_fsdp_strategy_arguments
+from lightning_shard.plan.precision import check_reduce_dtype
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
