@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toy import IN_FEATURES, ToyModel  # noqa: E402
 
+from lightning_shard.core.process_exit import end_process_group  # noqa: E402
 from lightning_shard.cpu import shm_comms  # noqa: E402
 from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives  # noqa: E402
 from lightning_shard.cpu.shm_barrier import FutexBarrier  # noqa: E402
@@ -249,7 +250,7 @@ def main() -> None:
         result["training"] = compare_training(rank, world)
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

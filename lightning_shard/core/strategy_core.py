@@ -23,7 +23,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
     _distributed_is_initialized,
     _init_dist_connection,
     _sync_ddp_if_available,
@@ -40,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.core.buffers import broadcast_buffers
+from lightning_shard.core.process_exit import end_process_group
 from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.sharded_with import check_same_sharding, record_sharding, sharded_mesh
 from lightning_shard.core.undo import UndoLog
@@ -199,13 +199,11 @@ class ShardedStrategyCore:
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         if created_here:
-            # Lightning destroys the process group at exit for nccl only. Under gloo a worker thread can still drop
-            # the last reference to a collective's tensors while the interpreter finalises; taking the GIL then
-            # aborts the process ("terminate called without an active exception", rc -6, seen once in CI).
-            # Destroying the group while the interpreter is alive joins those threads first. Unregister first so
-            # that nccl, or a second fit in the same process, does not queue the handler twice.
-            atexit.unregister(_destroy_dist_connection)
-            atexit.register(_destroy_dist_connection)
+            # Lightning ends the process group at exit for nccl only; under gloo a collective's worker thread can
+            # still hold tensors when the interpreter finalises, and the process aborts (see `process_exit`).
+            # Unregister first so that a second fit in the same process does not queue the handler twice.
+            atexit.unregister(end_process_group)
+            atexit.register(end_process_group)
         self._device_mesh = sharded_mesh(model) or self._build_device_mesh()
 
     def _build_device_mesh(self) -> DeviceMesh:
