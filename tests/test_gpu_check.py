@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check import peak_flops, throughput, training_flops_per_token  # noqa: E402
+from benchmarks.gpu_figures import peak_flops, throughput, training_flops_per_token  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 
 
