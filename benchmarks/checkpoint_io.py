@@ -1,7 +1,7 @@
 """Checkpoint loads against one process's ``torch.load`` of the same bytes, and rank 0's memory while loading a
 full checkpoint.
 
-    python benchmarks/checkpoint_io.py                   # -> benchmarks/results/checkpoint_io.json
+    python benchmarks/checkpoint_io.py                   # -> benchmarks/results/checkpoints.json
     python benchmarks/checkpoint_io.py --skip-memory     # the speed rounds only
 
 Speed (one launch: GPT, 100M parameters + AdamW, ``ShardedStrategy`` FULL_SHARD on 2 CPU ranks, Lightning's
@@ -51,14 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.checkpoint_io_report import summarise
 from benchmarks.common import (
-    RESULTS,
     barrier,
     launch_worker,
     machine,
     random_token_dataset,
     sharded_trainer,
-    write_json,
 )
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 SPEED_MODEL = dict(n_layer=14, n_head=12, n_embd=768, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=1)
 MEMORY_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=2048, dropout=0.0, warmup_steps=1)
@@ -308,7 +307,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-memory", action="store_true", help="only the speed rounds")
-    parser.add_argument("--output", default=str(RESULTS / "checkpoint_io.json"))
+    parser.add_argument("--output", default=str(result_path("checkpoint_io")))
     args = parser.parse_args()
     if args.worker == "speed":
         _speed_worker(args)
@@ -329,8 +328,9 @@ def main() -> None:
             memory = launch_worker(__file__, "--worker", "memory", "--phase", "load", "--ckpt", ckpt, *common)
     wall = time.perf_counter() - start
     summary, report = summarise(speed, memory, args.devices)
-    write_json(
+    write_result(
         Path(args.output),
+        "checkpoint_io",
         {
             "benchmark": "checkpoint_io",
             "command": "python benchmarks/checkpoint_io.py " + " ".join(sys.argv[1:]),

@@ -15,9 +15,10 @@ Part 3, on a machine with two or more GPUs (and in ``--cpu-smoke`` on 2 CPU rank
 2 devices as FSDP alone and as tensor parallelism over both (``tensor_parallel_size=2``), the same global batch:
 their losses agree, tokens/s and peak memory of each.
 
-Every item runs in its own subprocess, so one failure does not hide the others; ``benchmarks/results/gpu_check.json``
-records each item's figures, pass/fail and error, and a table is printed. No LightningCLI (the GPU machine has no
-jsonargparse): the Trainer is built here from the YAML's model section.
+Every item runs in its own subprocess, so one failure does not hide the others; the ``gpu_check`` section of
+``benchmarks/results/gpu.json`` (``gpu_check_cpu_smoke`` for ``--cpu-smoke``) records each item's figures, pass/fail
+and error, and a table is printed. No LightningCLI (the GPU machine has no jsonargparse): the Trainer is built here
+from the YAML's model section.
 
     python benchmarks/gpu_check.py                # one GPU, part 1 then part 2, about 5-6 minutes
     python benchmarks/gpu_check.py --cpu-smoke    # part 1 on 2 CPU ranks at the smallest sizes (CI runs this)
@@ -44,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import REPO, RESULTS, machine, write_json  # noqa: E402
+from benchmarks.common import REPO, machine, write_json  # noqa: E402
 from benchmarks.gpu_figures import peak_flops  # noqa: E402
 from benchmarks.gpu_fits import Target, make_target  # noqa: E402
 from benchmarks.gpu_items import GIB, items  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 # Seconds an item may run before its processes are ended: part 1 takes about 30 s per item on a GPU, a compiled
 # 1.3B configuration about 2 minutes (mostly inductor).
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-smoke", action="store_true", help="part 1 on 2 CPU ranks at the smallest sizes")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of a device not in the table")
-    parser.add_argument("--output", type=Path, default=None, help="default: benchmarks/results/gpu_check.json")
+    parser.add_argument("--output", type=Path, default=result_path("gpu_check"), help="the concern file (%(default)s)")
     parser.add_argument("--item", help=argparse.SUPPRESS)
     parser.add_argument("--item-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         run_item(args.item, target, peak, args.item_out)
         return 0
 
-    output = args.output or RESULTS / ("gpu_check_cpu_smoke.json" if args.cpu_smoke else "gpu_check.json")
+    section = "gpu_check_cpu_smoke" if args.cpu_smoke else "gpu_check"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         rows = [row for name in items(target, peak) for row in run_in_subprocess(name, args, target, Path(tmp))]
@@ -214,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         "items": rows,
         "report": table,
     }
-    write_json(output, result)
+    write_result(args.output, section, result)
     print(format_table(table["columns"], table["rows"]))
-    print(f"{'all passed' if result['passed'] else 'FAILED'} in {result['wall_seconds']:.0f} s; wrote {output}")
+    print(f"{'all passed' if result['passed'] else 'FAILED'} in {result['wall_seconds']:.0f} s; wrote {args.output}")
     return 0 if result["passed"] else 1
 
 

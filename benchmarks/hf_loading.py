@@ -1,6 +1,6 @@
 """Peak memory per rank while loading a 134M-parameter Hugging Face Llama on 2 CPU ranks, and while exporting it.
 
-    python benchmarks/hf_loading.py                     # -> benchmarks/results/hf_loading.json
+    python benchmarks/hf_loading.py                     # -> benchmarks/results/checkpoints.json
     python benchmarks/hf_loading.py --repeats 1 --dir /data/tmp
 
 The model (Llama, vocabulary 32000, width 768, 12 layers, float32: 134M parameters, 537 MB) is written once with
@@ -36,7 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_shard.hf  # noqa: E402
-from benchmarks.common import RESULTS, PeakRSS, machine, median, write_json  # noqa: E402
+from benchmarks.common import PeakRSS, machine, median  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = dict(
     model_type="llama",
@@ -269,7 +270,7 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="5GB", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default="/tmp/lightning_shard_hf_loading", help="model, checkpoints, exports")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per measurement")
-    parser.add_argument("--output", default=str(RESULTS / "hf_loading.json"))
+    parser.add_argument("--output", default=str(result_path("hf_loading")))
     args = parser.parse_args()
     if args.worker is not None:
         WORKERS[args.worker](args)
@@ -327,8 +328,9 @@ def main() -> None:
     ]
     if not sharded_loader:
         notes.append("Sharded loading not measured: lightning_shard.hf.from_pretrained is not in this commit.")
-    write_json(
+    write_result(
         Path(args.output),
+        "hf_loading",
         {
             "benchmark": "hf_loading",
             "command": "python benchmarks/hf_loading.py " + " ".join(sys.argv[1:]),

@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning of a 155M-parameter Llama on 2 CPU ranks: model state and peak RSS per rank, against
 the memory estimate's formula.
 
-    python benchmarks/lora_memory.py                 # -> benchmarks/results/lora_memory.json
+    python benchmarks/lora_memory.py                 # -> benchmarks/results/memory.json
 
 One launch (Lightning's launcher, 2 CPU ranks, ``ShardedStrategy`` FULL_SHARD, fp32, AdamW) per run:
 
@@ -32,7 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, PeakRSS, machine, random_token_dataset, status_mib, write_json  # noqa: E402
+from benchmarks.common import RESULTS, PeakRSS, machine, random_token_dataset, status_mib  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 LLAMA = dict(
     vocab_size=256,
@@ -232,7 +233,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--output", default=str(RESULTS / "lora_memory.json"))
+    parser.add_argument("--output", default=str(result_path("lora_memory")))
     args = parser.parse_args()
     if args.worker:
         _worker(args)
@@ -244,8 +245,9 @@ def main() -> None:
         formulas[run] = formula(run, args.seq_len)
         states = [sum(r["model_state"].values()) / MIB for r in runs[run]["ranks"]]
         print(f"{run}: model state per rank {[round(s, 1) for s in states]} MiB", flush=True)
-    write_json(
+    write_result(
         Path(args.output),
+        "lora_memory",
         {
             "command": "python benchmarks/lora_memory.py " + " ".join(sys.argv[1:]),
             "machine": machine(),
