@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, median  # noqa: E402
+from benchmarks.common import median  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 512, "vocab_size": 256, "block_size": 256}
@@ -147,8 +147,7 @@ def main() -> None:
             "in one process in rotating order.",
         ],
     }
-    command = "python benchmarks/activation_checkpointing.py " + " ".join(sys.argv[1:])
-    write_result(args.output, "activation_checkpointing", {"command": command, "machine": machine(), "report": report,
+    write_result(args.output, "activation_checkpointing", {"report": report,
                              "activations": activations, "step_seconds": times})  # fmt: skip
     for row in rows:
         print(" | ".join(row))

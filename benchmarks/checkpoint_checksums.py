@@ -130,8 +130,6 @@ def main() -> None:
     share = f"{100 * hash_only / sharded_load:.1f}% of the load"
     rows.append(["hashing alone, in memory", "-", f"{hash_only:.3f} s", share])
     results = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine(),
         "report": {
             "title": "Checkpoint checksums: their cost on save and load",
             "question": "What do the checksums written at save and verified at load cost, against the same save and "

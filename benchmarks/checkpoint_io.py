@@ -50,13 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.checkpoint_io_report import summarise
-from benchmarks.common import (
-    barrier,
-    launch_worker,
-    machine,
-    random_token_dataset,
-    sharded_trainer,
-)
+from benchmarks.common import barrier, launch_worker, machine, random_token_dataset, sharded_trainer  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 SPEED_MODEL = dict(n_layer=14, n_head=12, n_embd=768, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=1)
@@ -333,8 +327,6 @@ def main() -> None:
         "checkpoint_io",
         {
             "benchmark": "checkpoint_io",
-            "command": "python benchmarks/checkpoint_io.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "machine_start": machine_start,
             "machine_end": machine(),
             "model": SPEED_MODEL,
@@ -350,7 +342,6 @@ def main() -> None:
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import barrier, median, peak_rss_bytes, random_token_dataset
 from benchmarks.train_speed import (
     MODEL,
+    drive,
     launch,
-    make_parser,
-    run_rounds,
     slowest_rank_steps,
     summarise,
     write_runs,
@@ -152,12 +151,9 @@ def _timed_step(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser(__doc__, CONFIGS, "fabric_speed").parse_args(argv)
-    if args.worker:
-        _worker(args)
+    if (ran := drive(argv, __doc__, CONFIGS, "fabric_speed", _worker, Path(__file__))) is None:
         return
-    start = time.perf_counter()
-    runs = run_rounds(args, Path(__file__))
+    args, runs, start = ran
     report = summarise(runs, args.devices)
     for row in report["rows"]:
         row[1] = DESCRIPTIONS[row[0]]

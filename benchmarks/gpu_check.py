@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import REPO, machine, write_json  # noqa: E402
+from benchmarks.common import REPO, write_json  # noqa: E402
 from benchmarks.gpu_figures import peak_flops  # noqa: E402
 from benchmarks.gpu_fits import Target, make_target  # noqa: E402
 from benchmarks.gpu_items import GIB, items  # noqa: E402
@@ -208,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "gpu_check",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine(),
         "device": device_name,
         "peak_flops": peak,
         "passed": all(row["passed"] for row in rows),
@@ -218,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(args.output, section, result)
     print(format_table(table["columns"], table["rows"]))
-    print(f"{'all passed' if result['passed'] else 'FAILED'} in {result['wall_seconds']:.0f} s; wrote {args.output}")
+    print(f"{'all passed' if result['passed'] else 'FAILED'} in {result['wall_seconds']:.0f} s")
     return 0 if result["passed"] else 1
 
 

@@ -37,7 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import lightning_shard.hf  # noqa: E402
 import lightning_shard.init.materialize as materialize  # noqa: E402
-from benchmarks.common import REPO, machine, median  # noqa: E402
+from benchmarks.common import REPO, median  # noqa: E402
 from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
@@ -192,14 +192,11 @@ def main() -> None:
         Path(args.output),
         "init_rule",
         {
-            "command": "python benchmarks/init_rule.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "simulation": sims,
             "llama": runs,
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

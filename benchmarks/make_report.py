@@ -64,8 +64,8 @@ def render_section(name: str, result: dict[str, Any] | None) -> str:
     """One ``###`` section: the question, provenance, the tables and notes (or a line saying it is missing).
 
     Example:
-        >>> print(render_section("x", None).splitlines()[0])
-        ### x: not measured
+        >>> print(render_section("gpu_check", None).splitlines()[0])
+        ### gpu_check: not measured
     """
     if result is None:
         because = f"{MISSING_BECAUSE[name]} " if name in MISSING_BECAUSE else ""

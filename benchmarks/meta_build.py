@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from benchmarks.common import REPO, machine, median
+from benchmarks.common import REPO, median
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, Block
 from lightning_shard.memory.accounting import parameter_bytes
@@ -114,8 +114,6 @@ def main() -> None:
         Path(args.output),
         "meta_build",
         {
-            "command": "python benchmarks/meta_build.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "config": config_name,
             "model": model_args,
             "world_size": args.world_size,
@@ -125,7 +123,6 @@ def main() -> None:
         },
     )
     dist.destroy_process_group()
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

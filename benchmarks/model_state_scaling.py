@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine
+from benchmarks.common import RESULTS
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from benchmarks.train_speed import MODEL, launch
 
@@ -82,15 +82,12 @@ def main() -> None:
         Path(args.output),
         "model_state_scaling",
         {
-            "command": "python benchmarks/model_state_scaling.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "model": MODEL,
             "wall_seconds": time.perf_counter() - start,
             "rows": rows,
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

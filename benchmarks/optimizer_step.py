@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
-from benchmarks.common import machine, median  # noqa: E402
+from benchmarks.common import median  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from lightning_shard.core.fused_optimizer import use_fused_kernels  # noqa: E402
 
@@ -131,7 +131,7 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
         del optimizer
-    result = {"machine": machine(), "threads": args.threads, "memory_bandwidth_gbs": round(bandwidth, 2), "rows": rows}
+    result = {"threads": args.threads, "memory_bandwidth_gbs": round(bandwidth, 2), "rows": rows}
     print(f"memory bandwidth (add, {args.threads} thread(s)): {bandwidth:.1f} GB/s; pid {os.getpid()}")
     write_result(args.out, "optimizer_step", result)
     dist.destroy_process_group()

@@ -35,14 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
-    barrier,
-    launch_worker,
-    machine,
-    median,
-    random_token_dataset,
-    sharded_trainer,
-)
+from benchmarks.common import barrier, launch_worker, machine, median, random_token_dataset, sharded_trainer  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 STALL_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=64, dropout=0.0, warmup_steps=1)
@@ -264,8 +257,6 @@ def main() -> None:
         "preemption",
         {
             "benchmark": "preemption",
-            "command": "python benchmarks/preemption.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "machine_start": machine_start,
             "wall_seconds": time.perf_counter() - start,
             "stall_model": STALL_MODEL,
@@ -275,7 +266,6 @@ def main() -> None:
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

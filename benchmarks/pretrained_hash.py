@@ -100,7 +100,6 @@ def main() -> None:
         "pretrained_hash",
         {
             "benchmark": "pretrained_hash",
-            "command": "python benchmarks/pretrained_hash.py " + " ".join(sys.argv[1:]),
             "machine": machine_start,
             "machine_end": machine(),
             "figures": figures,

@@ -61,15 +61,17 @@ def command_line() -> str:
 
 
 def write_result(path: str | Path, script: str, result: dict[str, Any]) -> None:
-    """Write ``result`` as ``script``'s section of the concern file ``path``, the other sections kept; a result
-    without ``command`` or ``machine`` gets this run's."""
+    """Write ``result`` as ``script``'s section of the concern file ``path``, the other sections kept, with this run's
+    ``command`` and ``machine`` unless ``result`` gives its own (a normalised command, the machine at the start)."""
     path = Path(path)
     data = json.loads(path.read_text()) if path.exists() else {}
     sections = data.get("sections", {})
-    sections[script] = {"command": command_line(), "machine": machine(), **result}
+    sections[script] = {"command": command_line(), **result}
+    sections[script].setdefault("machine", machine())
     title, order = CONCERNS[concern_of(script)]
     ordered = {name: sections[name] for name in order if name in sections}
     write_json(path, {"concern": title, "sections": {**ordered, **sections}})
+    print(f"wrote {script}'s section of {path}")
 
 
 def read_results(results: Path = RESULTS) -> dict[str, dict[str, dict[str, Any]]]:

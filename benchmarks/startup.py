@@ -39,7 +39,6 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from benchmarks.common import machine  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, GPT3_SIZES  # noqa: E402
 
@@ -181,7 +180,7 @@ def main() -> None:
                 per_billion = row["setup_s"] / (row["params"] / 1e9)
                 results.append({"size": NAMES[size], "path": path, "ranks": ranks, **row, "setup_s_per_b": per_billion})
                 print(results[-1], flush=True)
-                write_result(args.out, "startup", {"machine": machine(), "rows": results})
+                write_result(args.out, "startup", {"rows": results})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, median  # noqa: E402
+from benchmarks.common import median  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 8, "n_embd": 512, "vocab_size": 256, "block_size": 128}
@@ -209,11 +209,10 @@ def main() -> None:
             "estimate_memory's per-rank device total (model states, gathered units, activations).",
         ],
     }
-    command_line = "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
     write_result(
         args.output,
         "tensor_parallel",
-        {"command": command_line, "machine": machine(), "report": report, "measured": measured},
+        {"report": report, "measured": measured},
     )
     for row in rows:
         print(" | ".join(row))

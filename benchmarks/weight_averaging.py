@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     PeakRSS,
     launch_worker,
-    machine,
     median,
     random_token_dataset,
 )
@@ -216,9 +215,7 @@ def main() -> None:
     results = {run: launch_worker(__file__, "--worker", run, *sizes) for run in RUNS}
     command = f"python benchmarks/weight_averaging.py --steps {args.steps} --batch-size {args.batch_size}"
     report = summarise(results, args)
-    write_result(
-        args.out, "weight_averaging", {"command": command, "machine": machine(), "results": results, "report": report}
-    )
+    write_result(args.out, "weight_averaging", {"command": command, "results": results, "report": report})
     print(f"{report['notes'][0]} ({time.perf_counter() - started:.0f} s)")
 
 
