@@ -1,7 +1,7 @@
 """Activation checkpointing - none, full (whole blocks recomputed) and selective (per op) - on one GPT: the activations
 held at the peak and the step time of each, on the CPU.
 
-    python benchmarks/activation_checkpointing.py          # -> benchmarks/results/activation_checkpointing.json
+    python benchmarks/activation_checkpointing.py          # -> benchmarks/results/memory.json
 
 One process (a one-rank gloo group), the strategy's own path: the GPT example (6 x 512, 8 heads, context 256,
 vocabulary 256, micro-batch 4, fp32) built on the meta device and checkpointed, sharded and initialised by
@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.common import median  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = {"n_layer": 6, "n_head": 8, "n_embd": 512, "vocab_size": 256, "block_size": 256}
 BATCH = 4
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=RESULTS / "activation_checkpointing.json")
+    parser.add_argument("--output", type=Path, default=result_path("activation_checkpointing"))
     args = parser.parse_args()
     activations = activation_figures()
     times = step_times(args.rounds, args.steps, args.warmup)
@@ -146,8 +147,7 @@ def main() -> None:
             "in one process in rotating order.",
         ],
     }
-    command = "python benchmarks/activation_checkpointing.py " + " ".join(sys.argv[1:])
-    write_json(args.output, {"command": command, "machine": machine(), "report": report,
+    write_result(args.output, "activation_checkpointing", {"report": report,
                              "activations": activations, "step_seconds": times})  # fmt: skip
     for row in rows:
         print(" | ".join(row))

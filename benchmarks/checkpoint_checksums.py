@@ -1,7 +1,7 @@
 """What checksums cost a checkpoint's save and load, against the same code without them (one process, page cache).
 
     python benchmarks/checkpoint_checksums.py [--params 50_000_000] [--repeats 3]
-        # -> benchmarks/results/checkpoint_checksums.json
+        # -> benchmarks/results/checkpoints.json
 
 A state of ``--params`` fp32 weights plus two AdamW moments of the same size (split into 64 tensors each) is saved and
 loaded, each way ``--repeats`` times after one untimed round, the best reported (the machine is shared: the
@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.utils._pytree import tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
+from benchmarks.common import machine  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from lightning_shard.checkpoint import checksums, integrity  # noqa: E402
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader  # noqa: E402
 from lightning_shard.checkpoint.writer import ChecksummedFileSystemWriter, write_full_file  # noqa: E402
@@ -129,8 +130,6 @@ def main() -> None:
     share = f"{100 * hash_only / sharded_load:.1f}% of the load"
     rows.append(["hashing alone, in memory", "-", f"{hash_only:.3f} s", share])
     results = {
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine(),
         "report": {
             "title": "Checkpoint checksums: their cost on save and load",
             "question": "What do the checksums written at save and verified at load cost, against the same save and "
@@ -147,7 +146,7 @@ def main() -> None:
     }
     shutil.rmtree(root)
     print(results)
-    write_json(RESULTS / "checkpoint_checksums.json", results)
+    write_result(result_path("checkpoint_checksums"), "checkpoint_checksums", results)
 
 
 if __name__ == "__main__":

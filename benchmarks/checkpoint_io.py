@@ -1,7 +1,7 @@
 """Checkpoint loads against one process's ``torch.load`` of the same bytes, and rank 0's memory while loading a
 full checkpoint.
 
-    python benchmarks/checkpoint_io.py                   # -> benchmarks/results/checkpoint_io.json
+    python benchmarks/checkpoint_io.py                   # -> benchmarks/results/checkpoints.json
     python benchmarks/checkpoint_io.py --skip-memory     # the speed rounds only
 
 Speed (one launch: GPT, 100M parameters + AdamW, ``ShardedStrategy`` FULL_SHARD on 2 CPU ranks, Lightning's
@@ -49,20 +49,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
-    RESULTS,
-    barrier,
-    launch_worker,
-    machine,
-    median,
-    random_token_dataset,
-    sharded_trainer,
-    write_json,
-)
+from benchmarks.checkpoint_io_report import summarise
+from benchmarks.common import barrier, launch_worker, machine, random_token_dataset, sharded_trainer  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 SPEED_MODEL = dict(n_layer=14, n_head=12, n_embd=768, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=1)
 MEMORY_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=2048, dropout=0.0, warmup_steps=1)
-MARGIN = 1.2  # the memory bound's 20%
 # The best-case raw load, in a fresh process: torch.load of the file twice, the second timed around the call
 # ([seconds, CPU seconds]). A mapped load first (no tensor data read) imports what unpickling the checkpoint needs
 # (lightning). Run with glibc told to keep freed memory (_RAW_ENV), the second load reuses every page the first
@@ -309,7 +301,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-memory", action="store_true", help="only the speed rounds")
-    parser.add_argument("--output", default=str(RESULTS / "checkpoint_io.json"))
+    parser.add_argument("--output", default=str(result_path("checkpoint_io")))
     args = parser.parse_args()
     if args.worker == "speed":
         _speed_worker(args)
@@ -329,13 +321,12 @@ def main() -> None:
             launch_worker(__file__, "--worker", "memory", "--phase", "save", "--ckpt", ckpt, *common)
             memory = launch_worker(__file__, "--worker", "memory", "--phase", "load", "--ckpt", ckpt, *common)
     wall = time.perf_counter() - start
-    summary, report = _summarise(speed, memory, args)
-    write_json(
+    summary, report = summarise(speed, memory, args.devices)
+    write_result(
         Path(args.output),
+        "checkpoint_io",
         {
             "benchmark": "checkpoint_io",
-            "command": "python benchmarks/checkpoint_io.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "machine_start": machine_start,
             "machine_end": machine(),
             "model": SPEED_MODEL,
@@ -351,114 +342,6 @@ def main() -> None:
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
-
-
-def _summarise(speed: dict[str, Any], memory: dict[str, Any] | None, args: argparse.Namespace) -> tuple[dict, dict]:
-    records = speed["records"]
-    by_kind = {kind: [r for r in records if r["kind"] == kind] for kind in ("sharded", "full", "raw")}
-    summary = {}
-    for kind, sel in by_kind.items():
-        size, save, load = sel[0]["bytes"], sel[0]["save_seconds"], median([r["load_seconds"] for r in sel])
-        summary[kind] = {
-            "bytes": size,
-            "save_seconds": save,
-            "load_seconds": load,
-            "save_MBps": size / save / 1e6,
-            "load_MBps": size / load / 1e6,
-        }
-    rows: list[list[str]] = []
-    ratios, full_ratios = [], []
-    for raw, sharded, full in zip(by_kind["raw"], by_kind["sharded"], by_kind["full"], strict=True):
-        ratio, full_ratio = raw["load_seconds"] / sharded["load_seconds"], raw["load_seconds"] / full["load_seconds"]
-        ratios.append(ratio)
-        full_ratios.append(full_ratio)
-        line = f"round {raw['repeat'] + 1}: sharded load"
-        rows.append([line, f"{sharded['load_seconds']:.3f} s", f"raw {raw['load_seconds']:.3f} s", f"{ratio:.2f}x"])
-        print(
-            f"{line} {sharded['load_seconds']:.3f} s, raw torch.load {raw['load_seconds']:.3f} s: {ratio:.2f}x "
-            f"(CPU s: sharded busiest rank {sharded['load_cpu_seconds']:.3f}, raw {raw['load_cpu_seconds']:.3f})"
-        )
-    raw = summary["raw"]
-    for kind, label in (("sharded", "sharded"), ("full", "full-file")):
-        for what in ("load", "save"):
-            seconds, reference = summary[kind][f"{what}_seconds"], raw[f"{what}_seconds"]
-            rows.append(
-                [
-                    f"{'median ' if what == 'load' else ''}{label} {what}",
-                    f"{seconds:.3f} s",
-                    f"raw torch.{what} {reference:.3f} s",
-                    f"{reference / seconds:.2f}x",
-                ]
-            )
-    phases: dict[str, list[float]] = defaultdict(list)
-    for entry in speed["phases"]:
-        for label, seconds in entry.items():
-            phases[label].append(seconds)
-    notes = [
-        f"GPT with {speed['num_params']:,} parameters + AdamW, FULL_SHARD on {args.devices} CPU ranks: sharded "
-        f"directory {summary['sharded']['bytes'] / 1e6:.0f} MB, full file {summary['full']['bytes'] / 1e6:.0f} MB. "
-        "Raw load: rank 0 alone torch.load-s the full file's content, right after an untimed load of it was freed "
-        "(whether glibc hands those pages to the timed load varies from run to run, so the raw time does); raw "
-        "save: rank 0 torch.save-s it. Ratios are raw seconds / seconds (>= 1.00x: as fast as one process moving the "
-        "same bytes). Page cache warm: every file read once first.",
-        f"Sharded load vs raw, per round: {', '.join(f'{r:.2f}x' for r in ratios)} (min {min(ratios):.2f}x, "
-        f"max {max(ratios):.2f}x); >= 1.00x in {sum(r >= 1.0 for r in ratios)} of {len(ratios)} rounds. "
-        f"Full-file load vs raw, per round: {', '.join(f'{r:.2f}x' for r in full_ratios)}.",
-        "Best-case raw torch.load (a fresh process's second load, glibc keeping every freed page: the page cache "
-        "copied into memory that exists), per round: "
-        + ", ".join(
-            f"{best['load_seconds']:.3f} s (sharded {best['load_seconds'] / sharded['load_seconds']:.2f}x)"
-            for best, sharded in zip(speed["raw_best"], by_kind["sharded"], strict=True)
-        )
-        + ".",
-        "CPU seconds per load (median over rounds; the busiest rank): sharded "
-        f"{median([r['load_cpu_seconds'] for r in by_kind['sharded']]):.3f}, full-file "
-        f"{median([r['load_cpu_seconds'] for r in by_kind['full']]):.3f}, raw "
-        f"{median([r['load_cpu_seconds'] for r in by_kind['raw']]):.3f} (best case "
-        f"{median([r['load_cpu_seconds'] for r in speed['raw_best']]):.3f}): on a machine where each rank has "
-        "its own core, loads take about their CPU time; a shared machine adds waiting to the wall times above.",
-        "Where rank 0's time went in the sharded loads (median s over rounds): "
-        + "; ".join(f"{label} {median(values):.3f}" for label, values in phases.items())
-        + ".",
-        "Raw save: the timing includes reading the content it writes.",
-    ]
-    if memory:
-        gib = 2**30
-        verdicts = []
-        for index, measured in enumerate(memory["ranks"]):
-            bound = MARGIN * (measured["own_shard_bytes"] + measured["largest_unit_bytes"])
-            verdict = "met" if measured["peak_rss"] <= bound else "NOT met"
-            verdicts.append(verdict)
-            line = f"full-file load, rank {index}: peak RSS"
-            rows.append(
-                [
-                    line,
-                    f"{measured['peak_rss'] / gib:.2f} GiB ({measured['rss_before'] / gib:.2f} before the load)",
-                    f"bound {bound / gib:.2f} GiB",
-                    f"{measured['peak_rss'] / bound:.2f} of the bound: {verdict}",
-                ]
-            )
-            print(f"{line} {measured['peak_rss'] / gib:.2f} GiB, bound {bound / gib:.2f} GiB: {verdict}")
-        rank0 = memory["ranks"][0]
-        notes.append(
-            f"Memory: GPT-3 medium dims ({rank0['num_params']:,} parameters, {rank0['units']} FSDP units) + AdamW on "
-            f"{args.devices} ranks, full file {memory['file_bytes'] / 1e9:.2f} GB, resumed by a fresh launch with "
-            f"fit(ckpt_path=...) in {rank0['seconds']:.1f} s. Peak RSS: VmHWM reset just before the load (it "
-            "includes the process itself, the model, and the gradients and AdamW states the load creates). Bound: "
-            f"own shard state ({rank0['own_shard_bytes'] / gib:.2f} GiB = 16 B x {rank0['local_params']:,} local "
-            f"parameters) + the largest unit as stored ({rank0['largest_unit_bytes'] / gib:.2f} GiB = 12 B per "
-            f"parameter) + 20%: {verdicts[0]} on rank 0."
-        )
-    report = {
-        "title": "Checkpoint loads vs one process's torch.load, and rank 0's memory loading a full file",
-        "question": "Does a sharded load run at least as fast as one process torch.load-ing the same bytes, round "
-        "after round; does rank 0 stay within its own shard + the largest unit + 20% while loading a full file?",
-        "columns": ["measure", "value", "against", "ratio"],
-        "rows": rows,
-        "notes": notes,
-    }
-    return summary, report
 
 
 if __name__ == "__main__":

@@ -137,17 +137,13 @@ def write_json(path: Path, data: Any) -> None:
     tmp.replace(path)
 
 
-def sharded_trainer(devices: int, callbacks: list, max_steps: int, **strategy: Any) -> L.Trainer:
-    """A Trainer on CPU ranks with ``ShardedStrategy`` (FULL_SHARD, each ``Block`` a unit, fp32, ``strategy`` on top)
-    that validates, logs and checkpoints nothing by itself: a benchmark's callbacks decide what happens."""
-    import lightning_shard
-
+def cpu_trainer(devices: int, strategy: Any, callbacks: list, max_steps: int) -> L.Trainer:
+    """A Trainer on CPU ranks, fp32, that validates, logs and checkpoints nothing by itself: a benchmark's callbacks
+    decide what happens."""
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=lightning_shard.ShardedStrategy(
-            sharding_strategy="FULL_SHARD", auto_wrap_policy=["Block"], **strategy
-        ),
+        strategy=strategy,
         precision="32-true",
         max_steps=max_steps,
         limit_val_batches=0,
@@ -157,6 +153,14 @@ def sharded_trainer(devices: int, callbacks: list, max_steps: int, **strategy: A
         enable_model_summary=False,
         callbacks=callbacks,
     )
+
+
+def sharded_trainer(devices: int, callbacks: list, max_steps: int, **strategy: Any) -> L.Trainer:
+    """:func:`cpu_trainer` with ``ShardedStrategy`` (FULL_SHARD, each ``Block`` a unit, ``strategy`` on top)."""
+    import lightning_shard
+
+    sharded = lightning_shard.ShardedStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy=["Block"], **strategy)
+    return cpu_trainer(devices, sharded, callbacks, max_steps)
 
 
 def launch_worker(script: str | Path, *worker_args: str) -> dict[str, Any]:
@@ -172,6 +176,19 @@ def launch_worker(script: str | Path, *worker_args: str) -> dict[str, Any]:
             raise SystemExit(f"`{' '.join(worker_args)}` failed with exit code {proc.returncode}")
         text = Path(out.name).read_text()
         return json.loads(text) if text else {}
+
+
+def small_llama(num_attention_heads: int, **dims: int) -> dict[str, Any]:
+    """``transformers.LlamaConfig`` arguments of a small Llama: ``dims`` (vocabulary, widths, layers), as many
+    key/value heads as attention heads, 512 positions.
+
+    Example:
+        >>> small_llama(4, vocab_size=256, hidden_size=64)
+        {'vocab_size': 256, 'hidden_size': 64, 'num_attention_heads': 4, 'num_key_value_heads': 4, \
+'max_position_embeddings': 512}
+    """
+    heads = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_attention_heads}
+    return {**dims, **heads, "max_position_embeddings": 512}
 
 
 def random_token_dataset(num_samples: int, block_size: int, vocab_size: int, seed: int = 0) -> torch.utils.data.Dataset:

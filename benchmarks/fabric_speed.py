@@ -4,7 +4,7 @@ with ``fully_shard`` applied by hand, and ``lightning_shard.fabric.ShardedStrate
 The harness of ``train_speed.py`` (same model, sizes, rounds, timing and summary), with a Fabric loop in each
 worker instead of a Trainer: one launch (2 CPU ranks, Fabric's launcher) per configuration and round.
 
-    python benchmarks/fabric_speed.py                      # -> benchmarks/results/fabric_speed.json
+    python benchmarks/fabric_speed.py                      # -> benchmarks/results/training_speed.json
     python benchmarks/fabric_speed.py --rounds 1 --steps 4 --output /tmp/quick.json
 
 Each step - forward, ``fabric.backward``, ``optimizer.step``, ``zero_grad``, the scheduler - is timed between two
@@ -32,12 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import barrier, median, peak_rss_bytes, random_token_dataset
 from benchmarks.train_speed import (
     MODEL,
+    drive,
     launch,
-    make_parser,
-    run_rounds,
     slowest_rank_steps,
     summarise,
-    write_result,
+    write_runs,
 )
 
 DESCRIPTIONS = {
@@ -152,12 +151,9 @@ def _timed_step(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser(__doc__, CONFIGS, "fabric_speed.json").parse_args(argv)
-    if args.worker:
-        _worker(args)
+    if (ran := drive(argv, __doc__, CONFIGS, "fabric_speed", _worker, Path(__file__))) is None:
         return
-    start = time.perf_counter()
-    runs = run_rounds(args, Path(__file__))
+    args, runs, start = ran
     report = summarise(runs, args.devices)
     for row in report["rows"]:
         row[1] = DESCRIPTIONS[row[0]]
@@ -180,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         "ModelParallelStrategy with `fully_shard` applied by hand (target: >= 0.97x the hand-sharded one)?"
     )
     command = "python benchmarks/fabric_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_result(args, command, runs, report, start)
+    write_runs(args, "fabric_speed", command, runs, report, start)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Peak memory per rank while loading a 134M-parameter Hugging Face Llama on 2 CPU ranks, and while exporting it.
 
-    python benchmarks/hf_loading.py                     # -> benchmarks/results/hf_loading.json
+    python benchmarks/hf_loading.py                     # -> benchmarks/results/checkpoints.json
     python benchmarks/hf_loading.py --repeats 1 --dir /data/tmp
 
 The model (Llama, vocabulary 32000, width 768, 12 layers, float32: 134M parameters, 537 MB) is written once with
@@ -36,19 +36,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning_shard.hf  # noqa: E402
-from benchmarks.common import RESULTS, PeakRSS, machine, median, write_json  # noqa: E402
+from benchmarks.common import PeakRSS, cpu_trainer, machine, median, small_llama  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
-MODEL = dict(
-    model_type="llama",
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    max_position_embeddings=512,
-    dtype="float32",
-)
+LLAMA = small_llama(12, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12)
+MODEL = dict(model_type="llama", **LLAMA, dtype="float32")
 GOAL_MARGIN = 1.2
 MIB = 2**20
 
@@ -180,16 +172,7 @@ def worker_train(args: argparse.Namespace) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=lightning_shard.ShardedStrategy(),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(2, lightning_shard.ShardedStrategy(), [], max_steps=1)
     tokens = torch.randint(0, MODEL["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(0))
     trainer.fit(FineTune(), torch.utils.data.DataLoader(tokens, batch_size=1))
     out = Path(args.out)
@@ -269,7 +252,7 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="5GB", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default="/tmp/lightning_shard_hf_loading", help="model, checkpoints, exports")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per measurement")
-    parser.add_argument("--output", default=str(RESULTS / "hf_loading.json"))
+    parser.add_argument("--output", default=str(result_path("hf_loading")))
     args = parser.parse_args()
     if args.worker is not None:
         WORKERS[args.worker](args)
@@ -327,11 +310,11 @@ def main() -> None:
     ]
     if not sharded_loader:
         notes.append("Sharded loading not measured: lightning_shard.hf.from_pretrained is not in this commit.")
-    write_json(
+    write_result(
         Path(args.output),
+        "hf_loading",
         {
             "benchmark": "hf_loading",
-            "command": "python benchmarks/hf_loading.py " + " ".join(sys.argv[1:]),
             "machine": machine_start,
             "machine_end": machine(),
             "model": MODEL,
@@ -348,7 +331,6 @@ def main() -> None:
     )
     for row in rows:
         print(" | ".join(map(str, row)))
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the initialisation rule costs: recording the construction, replaying it, and the check that nothing unwritten
 survives (sentinel fill at allocation, scan after the replay).
 
-    python benchmarks/init_rule.py                      # -> benchmarks/results/init_rule.json
+    python benchmarks/init_rule.py                      # -> benchmarks/results/startup.json
     python benchmarks/init_rule.py --repeats 1
 
 * 13B simulation: the 13B GPT (``configs/gpt3_13b.yaml``) built on the meta device with and without the recorder, then
@@ -37,8 +37,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 import lightning_shard.hf  # noqa: E402
 import lightning_shard.init.materialize as materialize  # noqa: E402
-from benchmarks.common import REPO, RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.common import REPO, median  # noqa: E402
 from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
 from lightning_shard.init.construction import construction_logs  # noqa: E402
 from lightning_shard.init.meta_window import end_meta_window  # noqa: E402
@@ -126,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--output", default=str(RESULTS / "init_rule.json"))
+    parser.add_argument("--output", default=str(result_path("init_rule")))
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -187,17 +188,15 @@ def main() -> None:
             f"(shard + materialise). Median of {args.repeats} repeats, one thread.",
         ],
     }
-    write_json(
+    write_result(
         Path(args.output),
+        "init_rule",
         {
-            "command": "python benchmarks/init_rule.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "simulation": sims,
             "llama": runs,
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

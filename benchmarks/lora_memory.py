@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning of a 155M-parameter Llama on 2 CPU ranks: model state and peak RSS per rank, against
 the memory estimate's formula.
 
-    python benchmarks/lora_memory.py                 # -> benchmarks/results/lora_memory.json
+    python benchmarks/lora_memory.py                 # -> benchmarks/results/memory.json
 
 One launch (Lightning's launcher, 2 CPU ranks, ``ShardedStrategy`` FULL_SHARD, fp32, AdamW) per run:
 
@@ -32,17 +32,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, PeakRSS, machine, random_token_dataset, status_mib, write_json  # noqa: E402
+from benchmarks.common import RESULTS, PeakRSS, cpu_trainer, random_token_dataset, small_llama, status_mib  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
-LLAMA = dict(
-    vocab_size=256,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=12,
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    max_position_embeddings=512,
-)
+LLAMA = small_llama(16, vocab_size=256, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12)
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
 RUNS = ("full", "lora")
 MIB = 2**20
@@ -97,17 +90,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     L.seed_everything(0, verbose=False)
     monitor, peak = ShardedMemoryMonitor(log_every_n_steps=1), TrainingPeak()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=lightning_shard.ShardedStrategy(sharding_strategy="FULL_SHARD"),
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[monitor, peak],
-    )
+    strategy = lightning_shard.ShardedStrategy(sharding_strategy="FULL_SHARD")
+    trainer = cpu_trainer(2, strategy, [monitor, peak], max_steps=args.steps)
     data = random_token_dataset(2 * args.steps, args.seq_len, LLAMA["vocab_size"])
     trainer.fit(FineTune(), torch.utils.data.DataLoader(data, batch_size=1))
     record = {
@@ -232,7 +216,7 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--output", default=str(RESULTS / "lora_memory.json"))
+    parser.add_argument("--output", default=str(result_path("lora_memory")))
     args = parser.parse_args()
     if args.worker:
         _worker(args)
@@ -244,11 +228,10 @@ def main() -> None:
         formulas[run] = formula(run, args.seq_len)
         states = [sum(r["model_state"].values()) / MIB for r in runs[run]["ranks"]]
         print(f"{run}: model state per rank {[round(s, 1) for s in states]} MiB", flush=True)
-    write_json(
+    write_result(
         Path(args.output),
+        "lora_memory",
         {
-            "command": "python benchmarks/lora_memory.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "model": LLAMA,
             "lora": LORA,
             "settings": {"steps": args.steps, "seq_len": args.seq_len, "micro_batch_size": 1, "world_size": 2},
@@ -258,7 +241,6 @@ def main() -> None:
             "report": report(runs, formulas),
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Build the 13B GPT (``configs/gpt3_13b.yaml`` model args) on the meta device and wrap it with ``fully_shard`` per
 Block + root for a world of 8, in one process, on a fake process group: no memory is allocated for weights.
 
-    python benchmarks/meta_build.py                      # -> benchmarks/results/meta_build.json
+    python benchmarks/meta_build.py                      # -> benchmarks/results/startup.json
     python benchmarks/meta_build.py --repeats 3 --world-size 8
 
 Reports the seconds to build (``GPT(...).configure_model()`` under ``torch.device("meta")``), to apply activation
@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from benchmarks.common import REPO, RESULTS, machine, median, write_json
+from benchmarks.common import REPO, median
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, Block
 from lightning_shard.memory.accounting import parameter_bytes
 from lightning_shard.plan.parallelize import _apply_activation_checkpointing
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "configs" / "gpt3_13b.yaml"))
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=str(RESULTS / "meta_build.json"))
+    parser.add_argument("--output", default=str(result_path("meta_build")))
     args = parser.parse_args()
 
     model_args = yaml.safe_load(Path(args.config).read_text())["model"]
@@ -109,11 +110,10 @@ def main() -> None:
             f"{args.repeats} repeats, one process on a fake process group of {args.world_size}, no weight allocated."
         ],
     }
-    write_json(
+    write_result(
         Path(args.output),
+        "meta_build",
         {
-            "command": "python benchmarks/meta_build.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "config": config_name,
             "model": model_args,
             "world_size": args.world_size,
@@ -123,7 +123,6 @@ def main() -> None:
         },
     )
     dist.destroy_process_group()
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

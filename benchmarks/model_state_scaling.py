@@ -1,7 +1,7 @@
 """Model state per rank (parameters + gradients + AdamW states, counted from the local shards) of the
 ``train_speed`` GPT under ``ShardedStrategy`` FULL_SHARD at 1, 2 and 4 CPU ranks, against 16 bytes x params / N.
 
-    python benchmarks/model_state_scaling.py             # -> benchmarks/results/model_state_scaling.json
+    python benchmarks/model_state_scaling.py             # -> benchmarks/results/memory.json
 
 Each world size is one launch of ``train_speed.py``'s worker (one optimizer step of micro-batch 1), measured at the
 end of the step, when gradients and optimizer states exist.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from benchmarks.train_speed import MODEL, launch
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--configs", nargs="+", default=["fs"])
-    parser.add_argument("--output", default=str(RESULTS / "model_state_scaling.json"))
+    parser.add_argument("--output", default=str(result_path("model_state_scaling")))
     args = parser.parse_args()
     rows = []
     start = time.perf_counter()
@@ -77,18 +78,16 @@ def main() -> None:
             "Counted from the local shards at the end of one optimizer step (lightning_shard.memory.accounting)."
         ],
     }
-    write_json(
+    write_result(
         Path(args.output),
+        "model_state_scaling",
         {
-            "command": "python benchmarks/model_state_scaling.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "model": MODEL,
             "wall_seconds": time.perf_counter() - start,
             "rows": rows,
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

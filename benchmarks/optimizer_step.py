@@ -2,7 +2,7 @@
 kernel the strategy now switches it to (``lightning_shard.core.fused_optimizer``), in parameters/s and GB/s against this
 machine's memory bandwidth.
 
-    python benchmarks/optimizer_step.py                  # -> benchmarks/results/optimizer_step.json
+    python benchmarks/optimizer_step.py                  # -> benchmarks/results/startup.json
     python benchmarks/optimizer_step.py --millions 50 --steps 5
 
 One process, one thread per rank's worth of cores (``--threads``), a world of 1 on gloo: the parameters are DTensor
@@ -31,7 +31,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
-from benchmarks.common import RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.common import median  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from lightning_shard.core.fused_optimizer import use_fused_kernels  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 AdamW: read p, g, m, v; write p, m, v
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument("--millions", type=int, default=50, help="parameters per rank, in millions")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="threads per rank (a rank's share of the cores)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "optimizer_step.json")
+    parser.add_argument("--out", type=Path, default=result_path("optimizer_step"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     store = dist.FileStore(tempfile.mktemp(), 1)
@@ -130,9 +131,9 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
         del optimizer
-    result = {"machine": machine(), "threads": args.threads, "memory_bandwidth_gbs": round(bandwidth, 2), "rows": rows}
+    result = {"threads": args.threads, "memory_bandwidth_gbs": round(bandwidth, 2), "rows": rows}
     print(f"memory bandwidth (add, {args.threads} thread(s)): {bandwidth:.1f} GB/s; pid {os.getpid()}")
-    write_json(args.out, result)
+    write_result(args.out, "optimizer_step", result)
     dist.destroy_process_group()
 
 

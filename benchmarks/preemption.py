@@ -35,16 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
-    RESULTS,
-    barrier,
-    launch_worker,
-    machine,
-    median,
-    random_token_dataset,
-    sharded_trainer,
-    write_json,
-)
+from benchmarks.common import barrier, launch_worker, machine, median, random_token_dataset, sharded_trainer  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 STALL_MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50272, block_size=64, dropout=0.0, warmup_steps=1)
 VOTE_MODEL = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, block_size=64, dropout=0.0, warmup_steps=1)
@@ -246,7 +238,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--lag", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--skip-stall", action="store_true", help="only the agreement's cost")
-    parser.add_argument("--output", default=str(RESULTS / "preemption.json"))
+    parser.add_argument("--output", default=str(result_path("preemption")))
     args = parser.parse_args()
     if args.worker:
         {"stall": _stall_worker, "vote": _vote_worker}[args.worker](args)
@@ -260,12 +252,11 @@ def main() -> None:
     report = _summarise(stall, votes)
     for row in report["rows"]:
         print(" | ".join(row))
-    write_json(
+    write_result(
         Path(args.output),
+        "preemption",
         {
             "benchmark": "preemption",
-            "command": "python benchmarks/preemption.py " + " ".join(sys.argv[1:]),
-            "machine": machine(),
             "machine_start": machine_start,
             "wall_seconds": time.perf_counter() - start,
             "stall_model": STALL_MODEL,
@@ -275,7 +266,6 @@ def main() -> None:
             "report": report,
         },
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

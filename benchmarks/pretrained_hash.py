@@ -1,7 +1,7 @@
 """What recognising pretrained files by content costs: ``PretrainedFile.of`` (the record a small checkpoint keeps of
 each file its frozen weights come from, checked at resume and at export) against hashing the whole file.
 
-    python benchmarks/pretrained_hash.py                 # -> benchmarks/results/pretrained_hash.json
+    python benchmarks/pretrained_hash.py                 # -> benchmarks/results/checkpoints.json
     python benchmarks/pretrained_hash.py --dir /data/tmp
 
 The model is ``benchmarks/hf_loading.py``'s (HF Llama, 134M parameters, float32, one 537 MB ``model.safetensors``),
@@ -23,8 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.common import machine, median  # noqa: E402
 from benchmarks.hf_loading import MODEL  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from lightning_shard.hf.frozen_weights import PretrainedFile, _sampled_ranges  # noqa: E402
 
 MIB = 2**20
@@ -60,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/lightning_shard_hf_loading", help="where the model is (written once)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", default=str(RESULTS / "pretrained_hash.json"))
+    parser.add_argument("--output", default=str(result_path("pretrained_hash")))
     args = parser.parse_args()
     model_dir = Path(args.dir) / "llama-134m"
     machine_start = machine()
@@ -94,11 +95,11 @@ def main() -> None:
         "Warm: the file's pages in the page cache (a rank that has just loaded the weights). Cold: evicted first "
         "with posix_fadvise(DONTNEED) on this file; the figure then includes the disk's seeks.",
     ]
-    write_json(
+    write_result(
         Path(args.output),
+        "pretrained_hash",
         {
             "benchmark": "pretrained_hash",
-            "command": "python benchmarks/pretrained_hash.py " + " ".join(sys.argv[1:]),
             "machine": machine_start,
             "machine_end": machine(),
             "figures": figures,

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, GPT3_SIZES  # noqa: E402
 
 NAMES = {"small": "125M", "medium": "350M", "large": "760M", "xl": "1.3B"}
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--resume")
     parser.add_argument("--save")
     parser.add_argument("--eager-only", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS / "startup.json")
+    parser.add_argument("--out", type=Path, default=result_path("startup"))
     args = parser.parse_args()
     if args.eager_only:
         print("ROW " + json.dumps(eager(args.size)), flush=True)
@@ -180,7 +180,7 @@ def main() -> None:
                 per_billion = row["setup_s"] / (row["params"] / 1e9)
                 results.append({"size": NAMES[size], "path": path, "ranks": ranks, **row, "setup_s_per_b": per_billion})
                 print(results[-1], flush=True)
-                write_json(args.out, {"machine": machine(), "rows": results})
+                write_result(args.out, "startup", {"rows": results})
 
 
 if __name__ == "__main__":

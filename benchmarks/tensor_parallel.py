@@ -27,7 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, machine, median, write_json  # noqa: E402
+from benchmarks.common import median  # noqa: E402
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 8, "n_embd": 512, "vocab_size": 256, "block_size": 128}
 GLOBAL_BATCH, DEVICES = 8, 4
@@ -154,7 +155,7 @@ def _estimates() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--output", type=Path, default=RESULTS / "tensor_parallel.json")
+    parser.add_argument("--output", type=Path, default=result_path("tensor_parallel"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -208,8 +209,11 @@ def main() -> None:
             "estimate_memory's per-rank device total (model states, gathered units, activations).",
         ],
     }
-    command_line = "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
-    write_json(args.output, {"command": command_line, "machine": machine(), "report": report, "measured": measured})
+    write_result(
+        args.output,
+        "tensor_parallel",
+        {"report": report, "measured": measured},
+    )
     for row in rows:
         print(" | ".join(row))
 

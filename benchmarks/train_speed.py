@@ -3,7 +3,7 @@
 One launch (2 CPU ranks, Lightning's popen launcher) per configuration, so each configuration's peak RSS is its own;
 configurations run in rounds (A, B, C, ..., A, B, C, ...) so that machine load affects them alike.
 
-    python benchmarks/train_speed.py                                  # -> benchmarks/results/train_speed.json
+    python benchmarks/train_speed.py                                  # -> benchmarks/results/training_speed.json
     python benchmarks/train_speed.py --configs ddp fs --rounds 1 --steps 4 --output /tmp/quick.json
 
 Per launch and rank it records each step's time (``time.perf_counter`` between ``on_train_batch_start`` and
@@ -31,12 +31,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, barrier, machine, median, peak_rss_bytes, random_token_dataset, write_json
+from benchmarks.common import RESULTS, barrier, cpu_trainer, median, peak_rss_bytes, random_token_dataset
+from benchmarks.results_files import result_path, write_result
 
 MODEL = dict(n_layer=6, n_head=8, n_embd=512, vocab_size=256, block_size=256, dropout=0.0, warmup_steps=2)
 DEFAULTS = dict(batch_size=2, warmup=2, steps=20, devices=2, rounds=4)
@@ -135,18 +137,7 @@ def _worker(args: argparse.Namespace) -> None:
     total_steps = args.warmup + args.steps
     model = module_cls(**MODEL, max_steps=total_steps)
     data = random_token_dataset(args.batch_size * args.devices * total_steps, MODEL["block_size"], MODEL["vocab_size"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=strategy,
-        max_steps=total_steps,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer, *callbacks],
-    )
+    trainer = cpu_trainer(args.devices, strategy, [timer, *callbacks], max_steps=total_steps)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=False))
     result = {
         "config": config,
@@ -272,7 +263,7 @@ def _pairs(runs: list[dict[str, Any]], base: str, config: str) -> list[tuple[dic
     ]
 
 
-def make_parser(description: str, configs: list[str], output: str) -> argparse.ArgumentParser:
+def make_parser(description: str, configs: list[str], script: str) -> argparse.ArgumentParser:
     """The driver's and the worker's arguments: configurations, sizes, rounds, where the JSON goes."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -280,22 +271,32 @@ def make_parser(description: str, configs: list[str], output: str) -> argparse.A
     parser.add_argument("--configs", nargs="+", default=configs, choices=configs)
     for name, value in DEFAULTS.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
-    parser.add_argument("--output", default=str(RESULTS / output))
+    parser.add_argument("--output", default=str(result_path(script)))
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser(__doc__, CONFIGS, "train_speed.json").parse_args(argv)
+def drive(
+    argv: list[str] | None, description: str, configs: list[str], script: str, worker: Callable, path: Path
+) -> tuple[argparse.Namespace, list[dict[str, Any]], float] | None:
+    """Parse the arguments; in a worker launch run ``worker`` (give ``None``), in the driver run the rounds of
+    launches of ``path`` and give the arguments, the runs and when they started."""
+    args = make_parser(description, configs, script).parse_args(argv)
     if args.worker:
-        _worker(args)
-        return
+        worker(args)
+        return None
     start = time.perf_counter()
-    runs = run_rounds(args)
+    return args, run_rounds(args, path), start
+
+
+def main(argv: list[str] | None = None) -> None:
+    if (ran := drive(argv, __doc__, CONFIGS, "train_speed", _worker, Path(__file__))) is None:
+        return
+    args, runs, start = ran
     command = "python benchmarks/train_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_result(args, command, runs, summarise(runs, args.devices), start)
+    write_runs(args, "train_speed", command, runs, summarise(runs, args.devices), start)
 
 
-def run_rounds(args: argparse.Namespace, script: Path = Path(__file__)) -> list[dict[str, Any]]:
+def run_rounds(args: argparse.Namespace, script: Path) -> list[dict[str, Any]]:
     """``args.rounds`` rounds of one launch per configuration (A, B, C, A, B, C, ...), printing each as it ends."""
     runs: list[dict[str, Any]] = []
     for round_index in range(args.rounds):
@@ -307,21 +308,26 @@ def run_rounds(args: argparse.Namespace, script: Path = Path(__file__)) -> list[
     return runs
 
 
-def write_result(
-    args: argparse.Namespace, command: str, runs: list[dict[str, Any]], report: dict[str, Any], start: float
+def write_runs(
+    args: argparse.Namespace,
+    script: str,
+    command: str,
+    runs: list[dict[str, Any]],
+    report: dict[str, Any],
+    start: float,
 ) -> None:
-    """``args.output``: the command, machine, settings, every launch's records and the report table."""
+    """``script``'s section of ``args.output``: the command, machine, settings, every launch's records and the report
+    table."""
     result = {
         "command": command.strip(),
-        "machine": machine(),
         "settings": {k: getattr(args, k) for k in DEFAULTS},
         "model": MODEL,
         "wall_seconds": time.perf_counter() - start,
         "runs": runs,
         "report": report,
     }
-    write_json(Path(args.output), result)
-    print(f"wrote {args.output} in {result['wall_seconds']:.0f}s")
+    write_result(args.output, script, result)
+    print(f"{script} ran {result['wall_seconds']:.0f}s")
 
 
 if __name__ == "__main__":

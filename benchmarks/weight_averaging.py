@@ -1,6 +1,6 @@
 """What an EMA of the weights costs a sharded run: the update's time against the step, and the memory it adds.
 
-    python benchmarks/weight_averaging.py            # -> benchmarks/results/weight_averaging.json
+    python benchmarks/weight_averaging.py            # -> benchmarks/results/averaging.json
 
 Two launches of the same run (Lightning's launcher, 2 CPU ranks, ``ShardedStrategy`` FULL_SHARD with each block a
 unit, fp32, AdamW): the example GPT at 302.6M parameters (24 layers, width 1024, byte vocabulary, 64-token context)
@@ -32,14 +32,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS,
     PeakRSS,
     launch_worker,
-    machine,
     median,
     random_token_dataset,
-    write_json,
 )
+from benchmarks.results_files import result_path, write_result  # noqa: E402
 
 MODEL = dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=256, block_size=64, dropout=0.0, warmup_steps=1)
 RUNS = ("baseline", "ema")
@@ -207,7 +205,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is not timed")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences of 64 tokens per rank and step")
     parser.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=RESULTS / "weight_averaging.json")
+    parser.add_argument("--out", type=Path, default=result_path("weight_averaging"))
     args = parser.parse_args()
     if args.worker:
         _worker(args)
@@ -217,7 +215,7 @@ def main() -> None:
     results = {run: launch_worker(__file__, "--worker", run, *sizes) for run in RUNS}
     command = f"python benchmarks/weight_averaging.py --steps {args.steps} --batch-size {args.batch_size}"
     report = summarise(results, args)
-    write_json(args.out, {"command": command, "machine": machine(), "results": results, "report": report})
+    write_result(args.out, "weight_averaging", {"command": command, "results": results, "report": report})
     print(f"{report['notes'][0]} ({time.perf_counter() - started:.0f} s)")
 
 

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check import peak_flops, throughput, training_flops_per_token  # noqa: E402
+from benchmarks.gpu_figures import peak_flops, throughput, training_flops_per_token  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 
 
@@ -68,9 +68,9 @@ def test_tokens_per_second_and_mfu_come_from_the_median_timed_step() -> None:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu.json"
     run_script("benchmarks/gpu_check.py", "--cpu-smoke", "--output", str(out), timeout=400, check=False)
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["sections"]["gpu_check_cpu_smoke"]
 
 
 def test_cpu_smoke_passes_every_part_1_check(smoke: dict) -> None:
