@@ -40,7 +40,7 @@ import lightning_shard.init.materialize as materialize  # noqa: E402
 from benchmarks.common import REPO, RESULTS, machine, median, write_json  # noqa: E402
 from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
-from lightning_shard.init.construction import construction_logs  # noqa: E402
+from lightning_shard.init.construction_log import construction_logs  # noqa: E402
 from lightning_shard.init.meta_window import end_meta_window  # noqa: E402
 from lightning_shard.plan.config import ShardingConfig  # noqa: E402
 from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.init.construction import (
+from lightning_shard.init.construction_log import (
     ConstructionLog,
     HolderKey,
     Op,
@@ -74,8 +74,8 @@ class LibraryStep:
     Attributes:
         position: where an eager build ran it, in the construction log (``math.inf``: not built under a recording).
         run: the initialisation, on every rank, given the materialiser's :class:`FullSizeParameters`.
-        sets: the tensors it sets whole (:data:`~lightning_shard.init.construction.HolderKey`\\ s); the model's other
-            tensors keep what their construction gave them.
+        sets: the tensors it sets whole (:data:`~lightning_shard.init.construction_log.HolderKey`\\ s); the
+            model's other tensors keep what their construction gave them.
     """
 
     position: float
@@ -89,9 +89,8 @@ class LibraryModel:
 
     Attributes:
         module: the model (its place in ``modules()`` orders it when it was not built under a recording).
-        tensors: the model's tensors (:data:`~lightning_shard.init.construction.HolderKey`\\ s): held outside it, they
-        are
-            refused.
+        tensors: the model's tensors (:data:`~lightning_shard.init.construction_log.HolderKey`\\ s): held outside
+            it, they are refused.
         constructions: ids of the modules whose constructors' random draws are the library's to account for.
         replays_draws: whether those draws advance the stream, as in an eager build (not for a model whose weights are
             loaded from files: ``from_pretrained`` builds without drawing).
