@@ -67,12 +67,12 @@ class Timer:
 @contextlib.contextmanager
 def sentinel_timers() -> Iterator[tuple[Timer, Timer]]:
     fill, scan = Timer(), Timer()
-    original_fill, original_scan = materialize.fill_unset, materialize._refuse_unwritten
-    materialize.fill_unset, materialize._refuse_unwritten = fill.wrap(original_fill), scan.wrap(original_scan)
+    original_fill, original_scan = materialize.fill_unset, materialize.refuse_unwritten
+    materialize.fill_unset, materialize.refuse_unwritten = fill.wrap(original_fill), scan.wrap(original_scan)
     try:
         yield fill, scan
     finally:
-        materialize.fill_unset, materialize._refuse_unwritten = original_fill, original_scan
+        materialize.fill_unset, materialize.refuse_unwritten = original_fill, original_scan
 
 
 def simulate_13b(model_args: dict[str, Any], world_size: int) -> dict[str, float]:

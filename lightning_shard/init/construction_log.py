@@ -275,3 +275,23 @@ def forget_construction(root: nn.Module) -> None:
     """
     for module in root.modules():
         module.__dict__.pop(_LOG, None)
+
+
+def holders(module: nn.Module) -> Iterator[tuple[HolderKey, torch.Tensor]]:
+    """``(HolderKey, tensor)`` of each parameter and buffer ``module`` holds itself."""
+    for table in ("_parameters", "_buffers"):
+        for name, tensor in module.__dict__[table].items():
+            if tensor is not None:
+                yield (id(module), table, name), tensor
+
+
+def held_tensor(modules: dict[int, nn.Module], key: HolderKey) -> torch.Tensor:
+    """The tensor held at ``key`` now (``modules``: by id).
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> held_tensor({id(layer): layer}, (id(layer), "_parameters", "bias")) is layer.bias
+        True
+    """
+    module_id, table, name = key
+    return modules[module_id].__dict__[table][name]
