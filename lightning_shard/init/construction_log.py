@@ -173,7 +173,7 @@ class ConstructionLog:
         >>> with torch.device("meta"), record_construction() as log:
         ...     layer = nn.Linear(2, 2)
         >>> [op.func.__name__ for op in log.ops]
-        ['empty.memory_format', 'uniform_.default', 'empty.memory_format', 'uniform_.default']
+        ['empty.memory_format', 'empty.memory_format', 'uniform_.default', 'uniform_.default']
     """
 
     ops: list[Op] = field(default_factory=list)
