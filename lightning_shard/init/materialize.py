@@ -53,10 +53,11 @@ from lightning_shard.init.libraries import LIBRARIES
 from lightning_shard.init.meta_window import end_meta_window, meta_window
 from lightning_shard.init.names import joined
 from lightning_shard.init.replay import callers_random_state_kept, rng_timeline
+from lightning_shard.init.shard_init import local
 from lightning_shard.init.skipped_draws import SKIPPED
 from lightning_shard.init.ties import find_ties, retie
 from lightning_shard.init.unset import fill_unset, uninitialized_memory_filled
-from lightning_shard.init.verify import local, refuse_unwritten
+from lightning_shard.init.verify import refuse_unwritten
 from lightning_shard.torch_compat import reregister_sharded_parameters
 
 

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_shard.init.names import shown
+from lightning_shard.init.shard_init import local
 from lightning_shard.init.unset import holds_unset
 from lightning_shard.torch_compat import holds_values
 
@@ -56,7 +55,3 @@ def refuse_unwritten(
             "Initialise them in their module's constructor (`nn.init.*`, or call `self.reset_parameters()` there), "
             "or build the model in `__init__`."
         )
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
