@@ -41,7 +41,7 @@ from benchmarks.common import REPO, median  # noqa: E402
 from benchmarks.hf_loading import MODEL as LLAMA  # noqa: E402
 from benchmarks.results_files import result_path, write_result  # noqa: E402
 from examples.gpt.model import GPT, Block  # noqa: E402
-from lightning_shard.init.construction import construction_logs  # noqa: E402
+from lightning_shard.init.construction_log import construction_logs  # noqa: E402
 from lightning_shard.init.meta_window import end_meta_window  # noqa: E402
 from lightning_shard.plan.config import ShardingConfig  # noqa: E402
 from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
@@ -68,12 +68,12 @@ class Timer:
 @contextlib.contextmanager
 def sentinel_timers() -> Iterator[tuple[Timer, Timer]]:
     fill, scan = Timer(), Timer()
-    original_fill, original_scan = materialize.fill_unset, materialize._refuse_unwritten
-    materialize.fill_unset, materialize._refuse_unwritten = fill.wrap(original_fill), scan.wrap(original_scan)
+    original_fill, original_scan = materialize.fill_unset, materialize.refuse_unwritten
+    materialize.fill_unset, materialize.refuse_unwritten = fill.wrap(original_fill), scan.wrap(original_scan)
     try:
         yield fill, scan
     finally:
-        materialize.fill_unset, materialize._refuse_unwritten = original_fill, original_scan
+        materialize.fill_unset, materialize.refuse_unwritten = original_fill, original_scan
 
 
 def simulate_13b(model_args: dict[str, Any], world_size: int) -> dict[str, float]:

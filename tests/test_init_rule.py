@@ -20,8 +20,10 @@ from conftest import run_script  # noqa: E402
 from init_corpus_run import AFTER_BUILD_STYLES, FABRIC_STYLES  # noqa: E402
 from init_styles import ERROR_NAMES, ERRORS, SEED, STYLES, eager_after_build, eager_state  # noqa: E402
 
-from lightning_shard.init.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
+from lightning_shard.init.construction import record_construction  # noqa: E402
+from lightning_shard.init.construction_log import construction_logs  # noqa: E402
 from lightning_shard.init.materialize import materialize_sharded_module, meta_construction  # noqa: E402
+from lightning_shard.init.op_recorder import OVERWRITES  # noqa: E402
 from lightning_shard.torch_compat import TorchDispatchMode, op_base_name  # noqa: E402
 
 REPRODUCIBLE = [name for name in STYLES if name not in ERRORS]

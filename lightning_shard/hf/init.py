@@ -43,8 +43,10 @@ from lightning_shard.hf.pretrained import (
     planned_load,
     planned_names,
 )
-from lightning_shard.init.construction import ABSENT, ConstructionLog, HolderKey, Registration, written_storages
-from lightning_shard.init.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
+from lightning_shard.init.construction import written_storages
+from lightning_shard.init.construction_log import ABSENT, ConstructionLog, HolderKey, Registration
+from lightning_shard.init.full_size import FullSizeParameters
+from lightning_shard.init.libraries import LibraryModel, LibraryStep, register_library
 from lightning_shard.init.ties import replaced_after
 from lightning_shard.torch_compat import storage_key
 

@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_shard.init.construction import Recording, construction_logs
+from lightning_shard.init.construction import Recording
+from lightning_shard.init.construction_log import construction_logs
 from lightning_shard.torch_compat import visible_name
 
 _OPEN: list[Recording] = []  # the recording still open after its block, at most one

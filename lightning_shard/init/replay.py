@@ -1,4 +1,4 @@
-"""Replaying a recorded construction (:mod:`lightning_shard.init.construction`) on real tensors, in program order.
+"""Replaying a recorded construction (:mod:`lightning_shard.init.construction_log`) on real tensors, in program order.
 
 Everything runs on the CPU from the CPU generator, whatever device the model trains on: the random ops of an eager
 build on the CPU draw from that generator, and a CUDA generator draws other numbers from the same seed. Each rank
@@ -26,8 +26,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.init.construction import ConstructionLog, Op, RngEvent, Scratch, TensorRef, state_bytes
+from lightning_shard.init.construction_log import ConstructionLog, Op, RngEvent, Scratch, TensorRef
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
+from lightning_shard.init.rng_watch import state_bytes
 from lightning_shard.init.shard_init import host_shard
 from lightning_shard.init.unset import allocates_unwritten, empty_bytes, fill_twice
 from lightning_shard.torch_compat import holds_values, tree_leaves, tree_map

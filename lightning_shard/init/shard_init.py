@@ -1,4 +1,5 @@
-"""A rank's shard of a full-size tensor, cut on the host: materialisation never puts a whole tensor on the GPU.
+"""A rank's part of a tensor: its shard of a full-size tensor, cut on the host (:func:`host_shard`: materialisation
+never puts a whole tensor on the GPU), and what it holds of a live tensor (:func:`local`).
 
 The replay computes each tensor whole on the CPU (:mod:`lightning_shard.init.replay`). ``distribute_tensor`` would move
 that whole tensor to the mesh's device first (on CUDA a full-size device copy, per rank, of the largest tensor: the
@@ -12,6 +13,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_shard.torch_compat import local_chunk
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard, a plain tensor whole.
+
+    Example:
+        >>> weight = torch.zeros(2); local(weight) is weight
+        True
+    """
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def host_shard(full: torch.Tensor, live: DTensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lightning_shard.init.construction_log import Scratch, TensorRef
+from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.torch_compat import tree_map
 
 _CPU = torch.device("cpu")
@@ -79,8 +81,6 @@ def generator_of(values: Any) -> torch.Generator:
 def _draw(op: Any, generator: torch.Generator) -> None:
     """Run ``op``'s draw on CPU scratch tensors: its meta inputs as ones (a valid probability, scale and weight: the
     number of numbers drawn does not depend on them), its ``generator=`` the live one."""
-    from lightning_shard.init.construction import Scratch, TensorRef
-    from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 
     def scratch(value: Any) -> Any:
         if isinstance(value, Scratch):

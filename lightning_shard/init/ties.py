@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_shard.init.construction import HolderKey, Registration
+from lightning_shard.init.construction_log import HolderKey, Registration
 from lightning_shard.torch_compat import visible_name
 
 
