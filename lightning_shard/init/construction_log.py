@@ -34,8 +34,6 @@ from lightning_shard.torch_compat import storage_key, tree_map
 _LOG = "_lightning_shard_construction_log"
 # One order for every log: a model built in two recorded steps replays them in program order.
 SEQUENCE = itertools.count()
-# `table name of a module -> the kind of what it holds`
-TABLES = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}
 ABSENT = object()  # what a registration replaced when nothing was registered under that name before
 
 # A module's tensor, named by where it is held: (id(module), "_parameters" | "_buffers", name).
@@ -199,21 +197,6 @@ class ConstructionLog:
             for module in entry.constructing:
                 ends[id(module)] = max(ends.get(id(module), -1.0), entry.seq + 0.5)
         return ends
-
-
-def covers_storage(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` spans its whole storage, contiguously.
-
-    Example:
-        >>> weight = torch.empty(2, 2, device="meta")
-        >>> covers_storage(weight), covers_storage(weight[1])
-        (True, False)
-    """
-    return (
-        tensor.storage_offset() == 0
-        and tensor.is_contiguous()
-        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
-    )
 
 
 @dataclass(frozen=True)
