@@ -137,7 +137,7 @@ def _put(parent: nn.Module, table: str, name: str, value: Any) -> None:
 
 
 class TransformersLibrary:
-    """transformers' models for :mod:`lightning_shard.init.materialize` (registered on import of this module).
+    """transformers' models for the registry of :mod:`lightning_shard.init.libraries` (registered on import).
 
     Example:
         >>> TransformersLibrary().claim(nn.Linear(2, 2), [])

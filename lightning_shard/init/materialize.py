@@ -1,6 +1,6 @@
 """Materialise: a sharded model that was created on the meta device gets its values, as an eager build gave them.
 
-The initialisation rule (README, "Creating the model"): a model created on the meta device is sharded first, then its
+The initialisation rule (docs/creating_the_model.md): a model created on the meta device is sharded first, then its
 tensors are initialised as its construction initialised them, in the order an eager build on one process runs, from
 rank 0's random stream, on the CPU (the eager build's generator), on full-size tensors of a few tensors at a time;
 every rank keeps only its shards. So for the same seed the weights equal the eager build at any world size and on any

@@ -6,7 +6,7 @@ the strategy's own :func:`~lightning_shard.plan.parallelize.parallelize_module` 
 parameter, gradient, optimizer state, activation and input is a fake tensor (shape, dtype and device; no data). The
 process group is torch's fake one of the requested size; ``FSDPMemTracker`` records the bytes one rank would hold,
 by category, at the peak. The 13B GPT on 8 ranks simulates in 82 s on 2 shared CPU cores with 0.38 GiB of peak RSS
-(README, "Memory").
+(docs/memory.md).
 
 The steps follow Lightning's order. The first optimizer step runs one micro-batch, to create the optimizer states;
 the second runs ``min(accumulate_grad_batches, 2)`` (a third would hold what the second does). Each first
