@@ -98,8 +98,8 @@ class ShardedStrategy(CheckpointHooks, ShardedStrategyCore, ParallelStrategy):
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
             strategy adds :class:`~lightning_shard.trainer.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and
-            SLURM's requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks agree on,
-            with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
+            SLURM's requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks
+            agree on, with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
             ``False``: Lightning's own signal handling.
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
