@@ -22,7 +22,7 @@ from init_styles import ERROR_NAMES, ERRORS, SEED, STYLES, eager_after_build, ea
 
 from lightning_shard.init.construction import OVERWRITES, construction_logs, record_construction  # noqa: E402
 from lightning_shard.init.materialize import materialize_sharded_module, meta_construction  # noqa: E402
-from lightning_shard.torch_compat import TorchDispatchMode, op_base_name  # noqa: E402
+from lightning_shard.torch_compat.dispatch import TorchDispatchMode, op_base_name  # noqa: E402
 
 REPRODUCIBLE = [name for name in STYLES if name not in ERRORS]
 

@@ -52,7 +52,8 @@ from lightning_shard.plan.parallelize import parallelize_module
 from lightning_shard.plan.precision import PrecisionPolicy
 from lightning_shard.plan.replicated import set_gradient_sync
 from lightning_shard.standalone_packages.mixing import describe
-from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
+from lightning_shard.torch_compat.compile_config import activation_memory_budget, set_activation_memory_budget
+from lightning_shard.torch_compat.distributed import flatten_mesh_dims
 
 TBroadcast = TypeVar("TBroadcast")
 TPrecision = TypeVar("TPrecision", bound=PrecisionPolicy)

@@ -51,7 +51,7 @@ from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.direct_calls import drop_gathered_parameters
 from lightning_shard.plan.parallelize import is_parallelized
 from lightning_shard.plan.precision import clip_grad_norm
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 # The order in which this process set models up (shared by every rank: they run the same program).
 _SETUP_COUNTER = itertools.count()

@@ -46,7 +46,7 @@ from lightning_shard.hf.pretrained import (
 from lightning_shard.init.construction import ABSENT, ConstructionLog, HolderKey, Registration, written_storages
 from lightning_shard.init.materialize import FullSizeParameters, LibraryModel, LibraryStep, register_library
 from lightning_shard.init.ties import replaced_after
-from lightning_shard.torch_compat import storage_key
+from lightning_shard.torch_compat.tensors import storage_key
 
 
 def pretrained_model_class() -> type | None:

@@ -43,16 +43,16 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.init.skipped_draws import SKIPPED, generator_of
-from lightning_shard.torch_compat import (
+from lightning_shard.torch_compat.dispatch import (
     TorchDispatchMode,
     draws_random_numbers,
     op_arguments,
     op_base_name,
     remove_mode,
-    storage_key,
     tree_leaves,
     tree_map,
 )
+from lightning_shard.torch_compat.tensors import storage_key
 
 # Set on every module seen while a log was recorded: the log.
 _LOG = "_lightning_shard_construction_log"

@@ -62,7 +62,10 @@ from lightning_shard.init.replay import (
 from lightning_shard.init.skipped_draws import SKIPPED
 from lightning_shard.init.ties import find_ties, retie
 from lightning_shard.init.unset import fill_unset, holds_unset, uninitialized_memory_filled
-from lightning_shard.torch_compat import holds_values, reregister_sharded_parameters, storage_key, visible_name
+from lightning_shard.torch_compat.dispatch import holds_values
+from lightning_shard.torch_compat.fsdp import reregister_sharded_parameters
+from lightning_shard.torch_compat.modules import visible_name
+from lightning_shard.torch_compat.tensors import storage_key
 
 _CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.torch_compat import local_chunk
+from lightning_shard.torch_compat.distributed import local_chunk
 
 
 def host_shard(full: torch.Tensor, live: DTensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_shard.torch_compat import tree_map
+from lightning_shard.torch_compat.dispatch import tree_map
 
 _CPU = torch.device("cpu")
 
