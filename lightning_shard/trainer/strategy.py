@@ -39,7 +39,6 @@ from lightning_shard.averaging.callbacks import (
     restore_weight_averaging,
     shard_weight_averaging,
 )
-from lightning_shard.core.fused_optimizer import use_fused_kernels
 from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.strategy_core import ShardedStrategyCore
 from lightning_shard.core.undo import UndoLog
@@ -285,8 +284,7 @@ class ShardedStrategy(CheckpointHooks, ShardedStrategyCore, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_optimizers_are_elementwise([unwrapped_optimizer(optimizer) for optimizer in self.optimizers])
-            use_fused_kernels([unwrapped_optimizer(optimizer) for optimizer in self.optimizers])
+            self._prepare_optimizers([unwrapped_optimizer(optimizer) for optimizer in self.optimizers])
         self.precision_plugin.use_device(self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
