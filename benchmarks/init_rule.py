@@ -45,7 +45,7 @@ from lightning_shard.init.construction_log import construction_logs  # noqa: E40
 from lightning_shard.init.meta_window import end_meta_window  # noqa: E402
 from lightning_shard.plan.config import ShardingConfig  # noqa: E402
 from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
-from lightning_shard.torch_compat import memory_simulation_tools  # noqa: E402
+from lightning_shard.torch_compat.fsdp import memory_simulation_tools  # noqa: E402
 
 
 class Timer:

@@ -117,7 +117,7 @@ def _vote_worker(args: argparse.Namespace) -> None:
 
     from examples.gpt.model import GPT
     from lightning_shard import PreemptionCheckpoint
-    from lightning_shard.trainer.preemption import StopVote
+    from lightning_shard.core.preemption import StopVote
 
     class TimedVote(PreemptionCheckpoint):
         """The callback, its vote switched on and off in blocks of steps, timing the steps and its own hook."""

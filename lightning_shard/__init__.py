@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_shard import fabric, hf  # `lightning_shard.hf.from_pretrained(...)`; transformers stays unimported
 from lightning_shard.averaging import ShardedAveragedModel
 from lightning_shard.checkpoint import CheckpointIntegrityError, ShardedCheckpointIO, is_sharded_checkpoint
+from lightning_shard.core.preemption import PREEMPTED_EXIT_CODE
 from lightning_shard.memory import (
     MemoryBreakdown,
     MemoryEstimate,
@@ -29,7 +30,7 @@ from lightning_shard.memory import (
 from lightning_shard.plan.config import ShardingConfig
 from lightning_shard.plan.precision import ShardedPrecision
 from lightning_shard.standalone_packages import load_when_imported
-from lightning_shard.trainer.preemption import PREEMPTED_EXIT_CODE, PreemptionCheckpoint
+from lightning_shard.trainer.preemption import PreemptionCheckpoint
 from lightning_shard.trainer.strategy import ShardedStrategy
 
 ShardedStrategy.register_strategies(StrategyRegistry)

@@ -20,7 +20,7 @@ from toy import IN_FEATURES, Block, ToyModel  # noqa: E402
 from lightning_shard import ShardingConfig  # noqa: E402
 from lightning_shard.plan.direct_calls import drop_gathered_parameters  # noqa: E402
 from lightning_shard.plan.parallelize import parallelize_module  # noqa: E402
-from lightning_shard.torch_compat import root_is_gathered  # noqa: E402
+from lightning_shard.torch_compat.fsdp import root_is_gathered  # noqa: E402
 
 
 def _sharded_toy(mesh) -> tuple[ToyModel, ToyModel, dict[str, torch.Tensor]]:

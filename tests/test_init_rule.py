@@ -24,7 +24,7 @@ from lightning_shard.init.construction import record_construction  # noqa: E402
 from lightning_shard.init.construction_log import construction_logs  # noqa: E402
 from lightning_shard.init.materialize import materialize_sharded_module, meta_construction  # noqa: E402
 from lightning_shard.init.op_recorder import OVERWRITES  # noqa: E402
-from lightning_shard.torch_compat import TorchDispatchMode, op_base_name  # noqa: E402
+from lightning_shard.torch_compat.dispatch import TorchDispatchMode, op_base_name  # noqa: E402
 
 REPRODUCIBLE = [name for name in STYLES if name not in ERRORS]
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_shard.memory import estimate_main, estimate_memory, format_estimate_table
 from lightning_shard.memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
-from lightning_shard.memory.estimate import gpt_parameter_count
+from lightning_shard.memory.transformer_sizes import gpt_parameter_count
 
 MLP_WIDTH = 512
 MLP_DEPTH = 4  # 4 x (512 x 512 + 512) = 1,050,624 parameters

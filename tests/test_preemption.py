@@ -34,7 +34,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_shard import PREEMPTED_EXIT_CODE, PreemptionCheckpoint, ShardedStrategy, is_sharded_checkpoint
 from lightning_shard.checkpoint import read_sharded_keys
 from lightning_shard.checkpoint.publish import STAGING_DIR, staging_path
-from lightning_shard.trainer.preemption import StopVote, StrategyPreemptionCheckpoint, _requeue_slurm_job
+from lightning_shard.core.preemption import StopVote, _requeue_slurm_job
+from lightning_shard.trainer.preemption import StrategyPreemptionCheckpoint
 
 SCRIPT = "tests/preemption_run.py"
 STEPS = 12

@@ -37,7 +37,7 @@ from lightning_shard.cli import main as cli_main
 from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.parallelize import parallelize_module
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan, resolve_plan
-from lightning_shard.torch_compat import memory_simulation_tools
+from lightning_shard.torch_compat.fsdp import memory_simulation_tools
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 5e-5  # AdamW on near-zero gradients sets the floor (issue 30)
 SCRIPT = "tests/tensor_parallel_run.py"

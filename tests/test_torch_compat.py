@@ -23,7 +23,45 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_shard import torch_compat
+from lightning_shard.torch_compat.checkpoint import (
+    DCP_READER_SLICE_HOOK,
+    PyTorchFileReader,
+    check_hf_reader_hook,
+    file_view,
+    gc_paused,
+    load_state_dict_from_keys,
+    set_element,
+)
+from lightning_shard.torch_compat.compile_config import set_activation_memory_budget
+from lightning_shard.torch_compat.dispatch import (
+    TorchDispatchMode,
+    draws_random_numbers,
+    holds_values,
+    op_arguments,
+    tree_map,
+)
+from lightning_shard.torch_compat.distributed import flatten_mesh_dims, group_timeout, local_chunk
+from lightning_shard.torch_compat.fsdp import (
+    call_as_fsdp_forward,
+    fsdp_comm_base_classes,
+    fsdp_param_group,
+    memory_simulation_tools,
+    reregister_sharded_parameters,
+    root_is_gathered,
+    unsharded_gradient,
+)
+from lightning_shard.torch_compat.modules import (
+    CHECKPOINT_WRAPPED_MODULE,
+    HIDDEN_MODULE_NAMES,
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    is_persistent_buffer,
+    visible_name,
+)
+from lightning_shard.torch_compat.optim import foreach_form
+from lightning_shard.torch_compat.tensors import storage_key, storage_use_count
 
 
 class Scaled(nn.Module):
@@ -44,30 +82,30 @@ class Scaled(nn.Module):
 
 
 def test_fsdp_param_group_and_gathered_state(mesh) -> None:
-    assert torch_compat.fsdp_param_group(nn.Linear(2, 2)) is None
+    assert fsdp_param_group(nn.Linear(2, 2)) is None
     model = fully_shard(Scaled(), mesh=mesh)
-    group = torch_compat.fsdp_param_group(model)
+    group = fsdp_param_group(model)
     assert [p._module_info.param_name for p in group.fsdp_params] == ["weight"]
-    assert not torch_compat.root_is_gathered(model)
+    assert not root_is_gathered(model)
     model(torch.ones(1, 2))  # the root keeps its parameters gathered after forward
-    assert torch_compat.root_is_gathered(model)
+    assert root_is_gathered(model)
     model.reshard()
-    assert not torch_compat.root_is_gathered(model)
+    assert not root_is_gathered(model)
 
 
 def test_call_as_fsdp_forward_gathers_for_another_method(mesh) -> None:
     model = fully_shard(Scaled(), mesh=mesh)
     x = torch.ones(1, 2)
     expected = Scaled().double(x)
-    assert torch.equal(torch_compat.call_as_fsdp_forward(model, model.double, x), expected)
+    assert torch.equal(call_as_fsdp_forward(model, model.double, x), expected)
 
 
 def test_unsharded_gradient_between_micro_batches(mesh) -> None:
     model = fully_shard(Scaled(), mesh=mesh)
     model.set_requires_gradient_sync(False)
     model(torch.ones(1, 2)).sum().backward()
-    (fsdp_param,) = torch_compat.fsdp_param_group(model).fsdp_params
-    grad = torch_compat.unsharded_gradient(fsdp_param)
+    (fsdp_param,) = fsdp_param_group(model).fsdp_params
+    grad = unsharded_gradient(fsdp_param)
     assert grad is not None and grad.shape == (4, 2) and torch.equal(grad, torch.ones(4, 2))
 
 
@@ -76,7 +114,7 @@ def test_reregister_sharded_parameters_after_allocation(mesh) -> None:
         model = Scaled()
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu", recurse=False)
-    torch_compat.reregister_sharded_parameters(model)
+    reregister_sharded_parameters(model)
     with torch.no_grad():
         model.weight.to_local().copy_(torch.arange(8.0).view(4, 2))
     # FSDP gathers from the allocated shard, not the meta one it was created with
@@ -88,19 +126,17 @@ def test_reregister_sharded_parameters_after_allocation(mesh) -> None:
 
 def test_checkpoint_wrapper_names_and_hidden_module_names() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    torch_compat.apply_activation_checkpointing(
+    apply_activation_checkpointing(
         model,
-        checkpoint_wrapper_fn=lambda m: torch_compat.checkpoint_wrapper(
-            m, checkpoint_impl=torch_compat.CheckpointImpl.NO_REENTRANT
-        ),
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
         check_fn=lambda m: isinstance(m, nn.Linear),
     )
-    assert isinstance(model[0], torch_compat.CheckpointWrapper)
-    assert next(iter(dict(model.named_parameters()))) == f"0.{torch_compat.CHECKPOINT_WRAPPED_MODULE}.weight"
+    assert isinstance(model[0], CheckpointWrapper)
+    assert next(iter(dict(model.named_parameters()))) == f"0.{CHECKPOINT_WRAPPED_MODULE}.weight"
     assert list(get_model_state_dict(model)) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     compiled = torch.compile(nn.Linear(2, 2))
-    assert next(iter(dict(compiled.named_parameters()))).split(".")[0] in torch_compat.HIDDEN_MODULE_NAMES
-    assert torch_compat.CHECKPOINT_WRAPPED_MODULE in torch_compat.HIDDEN_MODULE_NAMES
+    assert next(iter(dict(compiled.named_parameters()))).split(".")[0] in HIDDEN_MODULE_NAMES
+    assert CHECKPOINT_WRAPPED_MODULE in HIDDEN_MODULE_NAMES
 
 
 # ------------------------------------------------------------------------------------------- averaging
@@ -111,21 +147,21 @@ def test_foreach_form_of_torchs_averaging_functions() -> None:
 
     averaged, current = [torch.zeros(3), torch.ones(2)], [torch.ones(3), torch.zeros(2)]
     expected = [get_ema_avg_fn(0.75)(a, c, 1) for a, c in zip(averaged, current, strict=True)]
-    torch_compat.foreach_form(get_ema_avg_fn(0.75))(averaged, current, torch.tensor(1))
+    foreach_form(get_ema_avg_fn(0.75))(averaged, current, torch.tensor(1))
     assert all(torch.equal(a, e) for a, e in zip(averaged, expected, strict=True))  # the decay was read
     averaged = [torch.zeros(3)]
-    torch_compat.foreach_form(get_swa_avg_fn())(averaged, [torch.full((3,), 3.0)], torch.tensor(2))
+    foreach_form(get_swa_avg_fn())(averaged, [torch.full((3,), 3.0)], torch.tensor(2))
     assert torch.equal(averaged[0], torch.ones(3))  # 0 + (3 - 0) / 3
-    assert torch_compat.foreach_form(torch.no_grad()(lambda a, c, n: c)) is None
-    assert torch_compat.foreach_form(None) is None
+    assert foreach_form(torch.no_grad()(lambda a, c, n: c)) is None
+    assert foreach_form(None) is None
 
 
 def test_is_persistent_buffer() -> None:
     module = nn.Module()
     module.register_buffer("kept", torch.zeros(1))
     module.register_buffer("computed", torch.zeros(1), persistent=False)
-    assert torch_compat.is_persistent_buffer(module, "kept")
-    assert not torch_compat.is_persistent_buffer(module, "computed")
+    assert is_persistent_buffer(module, "kept")
+    assert not is_persistent_buffer(module, "computed")
 
 
 # ------------------------------------------------------------------------------------------- DCP
@@ -133,20 +169,20 @@ def test_is_persistent_buffer() -> None:
 
 def test_set_element_builds_nested_containers() -> None:
     state: dict = {}
-    torch_compat.set_element(state, ("optimizer_states", 0, "param_groups"), [{"lr": 0.1}])
+    set_element(state, ("optimizer_states", 0, "param_groups"), [{"lr": 0.1}])
     assert state == {"optimizer_states": [{"param_groups": [{"lr": 0.1}]}]}
 
 
 def test_gc_paused() -> None:
     assert gc.isenabled()
-    with torch_compat.gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
 
 
 def test_load_state_dict_from_keys(tmp_path) -> None:
     dcp.save({"global_step": 7, "weight": torch.ones(3)}, checkpoint_id=tmp_path, no_dist=True)
-    assert torch_compat.load_state_dict_from_keys({"global_step"}, str(tmp_path)) == {"global_step": 7}
+    assert load_state_dict_from_keys({"global_step"}, str(tmp_path)) == {"global_step": 7}
 
 
 def test_archive_reader_finds_a_tensor_inside_a_file_at_an_offset(tmp_path) -> None:
@@ -155,7 +191,7 @@ def test_archive_reader_finds_a_tensor_inside_a_file_at_an_offset(tmp_path) -> N
     path = tmp_path / "data"
     path.write_bytes(b"x" * 100 + archive.getvalue())
     with open(path, "rb") as stream:
-        reader = torch_compat.PyTorchFileReader(torch_compat.file_view(stream, 100, len(archive.getvalue())))
+        reader = PyTorchFileReader(file_view(stream, 100, len(archive.getvalue())))
         offset = reader.get_record_offset("data/0")
         stream.seek(100 + offset)
         assert torch.equal(torch.frombuffer(bytearray(stream.read(16)), dtype=torch.float32), torch.arange(4.0))
@@ -163,19 +199,19 @@ def test_archive_reader_finds_a_tensor_inside_a_file_at_an_offset(tmp_path) -> N
 
 def test_local_chunk_of_a_dtensor(mesh) -> None:
     dtensor = distribute_tensor(torch.zeros(4, 8), mesh, [Shard(0)])
-    assert torch_compat.local_chunk(dtensor) == ((0, 0), (4, 8))
+    assert local_chunk(dtensor) == ((0, 0), (4, 8))
 
 
 def test_hf_reader_keeps_the_request_hook_the_slice_reader_overrides() -> None:
-    torch_compat.check_hf_reader_hook(dcp.HuggingFaceStorageReader)
+    check_hf_reader_hook(dcp.HuggingFaceStorageReader)
     with pytest.raises(RuntimeError, match="has no `_process_read_request`.*tested range"):
-        torch_compat.check_hf_reader_hook(dcp.FileSystemReader)
+        check_hf_reader_hook(dcp.FileSystemReader)
 
 
 def test_filesystem_reader_reads_every_item_through_the_slice_hook_the_checksummed_reader_overrides() -> None:
     from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 
-    hook = torch_compat.DCP_READER_SLICE_HOOK
+    hook = DCP_READER_SLICE_HOOK
     assert callable(getattr(dcp.FileSystemReader, hook))
     assert getattr(InPlaceFileSystemReader, hook) is not getattr(dcp.FileSystemReader, hook)
 
@@ -186,16 +222,16 @@ def test_filesystem_reader_reads_every_item_through_the_slice_hook_the_checksumm
 def test_dispatch_mode_sees_random_ops_and_tree_map_maps() -> None:
     seen = []
 
-    class Record(torch_compat.TorchDispatchMode):
+    class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(torch_compat.draws_random_numbers(func))
+            seen.append(draws_random_numbers(func))
             return func(*args, **(kwargs or {}))
 
     with Record():
         torch.empty(2).normal_()
         torch.ones(2) + 1
     assert True in seen and seen[-1] is False
-    assert torch_compat.tree_map(lambda v: v * 2, {"a": [1, (2,)]}) == {"a": [2, (4,)]}
+    assert tree_map(lambda v: v * 2, {"a": [1, (2,)]}) == {"a": [2, (4,)]}
 
 
 # ------------------------------------------------------------------------------------------- processes
@@ -203,19 +239,19 @@ def test_dispatch_mode_sees_random_ops_and_tree_map_maps() -> None:
 
 def test_storage_use_count_counts_views() -> None:
     tensor = torch.zeros(4)
-    before = torch_compat.storage_use_count(tensor)
+    before = storage_use_count(tensor)
     view = tensor.view(2, 2)
-    assert torch_compat.storage_use_count(tensor) == before + 1
+    assert storage_use_count(tensor) == before + 1
     del view
-    assert torch_compat.storage_use_count(tensor) == before
+    assert storage_use_count(tensor) == before
 
 
 def test_group_timeout(mesh) -> None:
-    assert isinstance(torch_compat.group_timeout(dist.group.WORLD), timedelta)
+    assert isinstance(group_timeout(dist.group.WORLD), timedelta)
 
 
 def test_fsdp_comm_base_classes_are_fsdp2s_comm_interfaces(mesh) -> None:
-    all_gather, reduce_scatter = torch_compat.fsdp_comm_base_classes()
+    all_gather, reduce_scatter = fsdp_comm_base_classes()
     for cls in (all_gather, reduce_scatter):
         assert {"allocate", "__call__"} <= cls.__abstractmethods__
     model = fully_shard(nn.Linear(2, 2), mesh=mesh)
@@ -232,7 +268,7 @@ def test_fsdp_comm_base_classes_are_fsdp2s_comm_interfaces(mesh) -> None:
 
 
 def test_memory_simulation_tools() -> None:
-    tools = torch_compat.memory_simulation_tools()
+    tools = memory_simulation_tools()
     assert tools["UNSHARDED_GRAD"].value == "Unsharded Grad"
     assert callable(tools["FSDPMemTracker"].get_tracker_snapshot)
     with tools["FakeTensorMode"]():
@@ -251,33 +287,33 @@ def test_the_opt_in_cpu_transport_is_imported_only_when_asked_for() -> None:
 
 
 def test_visible_name_drops_the_wrappers_names() -> None:
-    wrapped = f"layers.0.{torch_compat.CHECKPOINT_WRAPPED_MODULE}.attn.weight"
-    assert torch_compat.visible_name(wrapped) == "layers.0.attn.weight"
-    assert torch_compat.visible_name("_orig_mod.head.bias") == "head.bias"
+    wrapped = f"layers.0.{CHECKPOINT_WRAPPED_MODULE}.attn.weight"
+    assert visible_name(wrapped) == "layers.0.attn.weight"
+    assert visible_name("_orig_mod.head.bias") == "head.bias"
 
 
 def test_storage_key_is_shared_by_views_and_parameters() -> None:
     weight = torch.empty(2, 2, device="meta")
-    assert torch_compat.storage_key(nn.Parameter(weight)) == torch_compat.storage_key(weight[0])
-    assert torch_compat.storage_key(weight) != torch_compat.storage_key(torch.empty(2, 2, device="meta"))
+    assert storage_key(nn.Parameter(weight)) == storage_key(weight[0])
+    assert storage_key(weight) != storage_key(torch.empty(2, 2, device="meta"))
 
 
 def test_op_arguments_say_which_arguments_an_op_writes() -> None:
-    written = [a.name for a in torch_compat.op_arguments(torch.ops.aten.copy_.default) if a.alias_info is not None]
+    written = [a.name for a in op_arguments(torch.ops.aten.copy_.default) if a.alias_info is not None]
     assert written == ["self"] and torch.ops.aten.copy_.default.name() == "aten::copy_"
 
 
 def test_holds_values_is_false_for_fake_tensors_only() -> None:
-    assert torch_compat.holds_values(torch.zeros(2))
-    with torch_compat.memory_simulation_tools()["FakeTensorMode"]():
-        assert not torch_compat.holds_values(torch.zeros(2))
+    assert holds_values(torch.zeros(2))
+    with memory_simulation_tools()["FakeTensorMode"]():
+        assert not holds_values(torch.zeros(2))
 
 
 def test_flatten_mesh_dims_names_the_dimensions_together(mesh) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     grid = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
-    torch_compat.flatten_mesh_dims(grid, ("replicate", "shard"), "data_parallel")
+    flatten_mesh_dims(grid, ("replicate", "shard"), "data_parallel")
     assert grid["data_parallel"].size() == 1 and grid["data_parallel"].mesh_dim_names == ("data_parallel",)
 
 
@@ -286,14 +322,14 @@ def test_set_activation_memory_budget_sets_the_partitioners_budget() -> None:
 
     before = functorch_config.activation_memory_budget
     try:
-        torch_compat.set_activation_memory_budget(0.25)
+        set_activation_memory_budget(0.25)
         assert functorch_config.activation_memory_budget == 0.25
     finally:
         functorch_config.activation_memory_budget = before
 
 
 def test_fused_kernel_devices() -> None:
-    from lightning_shard.torch_compat import fused_kernel_devices
+    from lightning_shard.torch_compat.optim import fused_kernel_devices
 
     assert {"cpu", "cuda"} <= set(fused_kernel_devices())
 
@@ -329,6 +365,7 @@ def test_private_torch_names_are_reached_through_torch_compat_only() -> None:
     found = {
         str(path.relative_to(REPO)): names
         for path in sorted(package.rglob("*.py"))
-        if path.name != "torch_compat.py" and (names := _private_torch_names(ast.parse(path.read_text())))
+        if "torch_compat" not in path.relative_to(package).parts
+        and (names := _private_torch_names(ast.parse(path.read_text())))
     }
-    assert found == {}, f"private torch names outside lightning_shard/torch_compat.py: {found}"
+    assert found == {}, f"private torch names outside lightning_shard/torch_compat/: {found}"

@@ -48,7 +48,8 @@ from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 
 from lightning_shard.memory.accounting import local_tensor
 from lightning_shard.plan.direct_calls import drop_gathered_parameters
-from lightning_shard.torch_compat import foreach_form, is_persistent_buffer, visible_name
+from lightning_shard.torch_compat.modules import is_persistent_buffer, visible_name
+from lightning_shard.torch_compat.optim import foreach_form
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 MultiAvgFn = Callable[[Sequence[Tensor], Sequence[Tensor], Tensor], None]

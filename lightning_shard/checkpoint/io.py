@@ -80,7 +80,8 @@ from lightning_shard.checkpoint.target import Found, Target
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
 from lightning_shard.checkpoint.writer import ChecksummedFileSystemWriter, write_full_file
 from lightning_shard.standalone_packages.mixing import describe
-from lightning_shard.torch_compat import gc_paused, load_state_dict_from_keys, set_element, visible_name
+from lightning_shard.torch_compat.checkpoint import gc_paused, load_state_dict_from_keys, set_element
+from lightning_shard.torch_compat.modules import visible_name
 
 MODEL_KEY = TRAINER_LAYOUT.model
 _DCP_METADATA = ".metadata"

@@ -15,7 +15,7 @@ It also takes the ``Metadata`` the integrity check has already read, so a load r
 verifies the checksum of every stored item it reads (:mod:`~lightning_shard.checkpoint.checksums`): a damaged byte
 raises :class:`~lightning_shard.checkpoint.integrity.CheckpointIntegrityError` naming the file and the tensor or
 object it holds. Items read in place are hashed from their target's memory and their archive's few header bytes;
-the others as ``FileSystemReader`` slices them (``_slice_file``, see ``torch_compat.DCP_READER_SLICE_HOOK``).
+the others as ``FileSystemReader`` slices them (``_slice_file``, see ``torch_compat.checkpoint.DCP_READER_SLICE_HOOK``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from lightning_shard.checkpoint import checksums
 from lightning_shard.checkpoint.integrity import CheckpointIntegrityError
-from lightning_shard.torch_compat import PyTorchFileReader, file_view
+from lightning_shard.torch_compat.checkpoint import PyTorchFileReader, file_view
 
 _STORAGE_RECORD = "data/0"  # the one storage of a one-tensor ``torch.save`` archive
 

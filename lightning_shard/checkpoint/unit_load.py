@@ -41,7 +41,8 @@ from torch.optim import Optimizer
 from lightning_shard.checkpoint.optimizer_state import without_unsaved
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.devices import collective_device
-from lightning_shard.torch_compat import local_chunk, visible_name
+from lightning_shard.torch_compat.distributed import local_chunk
+from lightning_shard.torch_compat.modules import visible_name
 
 
 @dataclass(frozen=True)

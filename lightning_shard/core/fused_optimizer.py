@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from lightning_shard.torch_compat import fused_kernel_devices
+from lightning_shard.torch_compat.optim import fused_kernel_devices
 
 # Exactly these classes (not subclasses): their `step` reads `fused` from the parameter group at every step, and
 # DTensor has sharding rules for their fused ops (`aten._fused_adam_`, `aten._fused_adamw_`).

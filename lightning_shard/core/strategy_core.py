@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
 from lightning_shard.core.buffers import broadcast_buffers
+from lightning_shard.core.fused_optimizer import use_fused_kernels
 from lightning_shard.core.process_exit import end_process_group
 from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.sharded_with import check_same_sharding, record_sharding, sharded_mesh
@@ -52,7 +53,8 @@ from lightning_shard.plan.parallelize import parallelize_module
 from lightning_shard.plan.precision import PrecisionPolicy
 from lightning_shard.plan.replicated import set_gradient_sync
 from lightning_shard.standalone_packages.mixing import describe
-from lightning_shard.torch_compat import activation_memory_budget, flatten_mesh_dims, set_activation_memory_budget
+from lightning_shard.torch_compat.compile_config import activation_memory_budget, set_activation_memory_budget
+from lightning_shard.torch_compat.distributed import flatten_mesh_dims
 
 TBroadcast = TypeVar("TBroadcast")
 TPrecision = TypeVar("TPrecision", bound=PrecisionPolicy)
@@ -311,10 +313,10 @@ class ShardedStrategyCore:
             module.set_requires_gradient_sync(True)
             set_gradient_sync(module, True)
 
-    def _check_optimizers_are_elementwise(self, optimizers: list[Optimizer]) -> None:
-        if self.device_mesh["shard"].size() == 1 and self.config.tensor_parallel_size == 1:
-            return  # whole parameters on every rank: any optimizer computes the same update
-        for optimizer in optimizers:
+    def _prepare_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Refuse optimizers that would compute wrong updates on shards; switch the rest to fused kernels."""
+        whole = self.device_mesh["shard"].size() == 1 and self.config.tensor_parallel_size == 1
+        for optimizer in [] if whole else optimizers:  # whole parameters: any optimizer computes the same update
             name = type(optimizer).__name__
             if name in _NON_ELEMENTWISE_OPTIMIZERS:
                 raise ValueError(
@@ -324,6 +326,7 @@ class ShardedStrategyCore:
                     "`sharding_strategy='NO_SHARD'` without tensor parallelism, where every rank holds whole "
                     "parameters."
                 )
+        use_fused_kernels(optimizers)
 
     def _after_optimizer_step(self, *models: nn.Module | None) -> None:
         for model in models:

@@ -8,7 +8,7 @@ and give the freed heap back to the OS every few steps (:mod:`~lightning_shard.c
 ``BENCHMARKS.md``.
 
 Nothing here is imported until asked for: the transport builds on FSDP2's comm interfaces (private torch names,
-see :mod:`lightning_shard.torch_compat`), which the default path never touches.
+see :mod:`lightning_shard.torch_compat.fsdp`), which the default path never touches.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_shard.torch_compat import fsdp_comm_base_classes, storage_use_count
+from lightning_shard.torch_compat.fsdp import fsdp_comm_base_classes
+from lightning_shard.torch_compat.tensors import storage_use_count
 
 AllGather, ReduceScatter = fsdp_comm_base_classes()
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_shard.cpu.gloo_comms import GlooAllGather, GlooReduceScatter, install_collectives
 from lightning_shard.cpu.shm_barrier import FutexBarrier, barrier_supported, page_bytes, pid_namespace
-from lightning_shard.torch_compat import group_timeout
+from lightning_shard.torch_compat.distributed import group_timeout
 
 SHM_DIR = Path("/dev/shm")
 # Per segment, two per process group. A collective larger than a segment runs in pieces, one barrier each: at 16 MiB

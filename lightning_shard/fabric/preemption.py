@@ -13,9 +13,9 @@ Inside the ``with`` block ``SIGTERM`` (torchrun, Kubernetes, Lightning's launche
 ``SLURMEnvironment(auto_requeue=True)``, SLURM's requeue signal are only noted by their handlers; ``step_end`` votes
 (the same non-blocking 8-byte all-reduce, read a step later) and, once all ranks agree on a stop, saves ``state`` to
 ``path`` as ``fabric.save`` does, waits until it is published, requeues the SLURM job if asked and raises
-:class:`~lightning_shard.trainer.preemption.Preempted` (exit status 75) on every rank. Leaving the block restores the
-handlers
-that were there before. With ``preemption=False`` in the strategy's settings it installs nothing and never stops.
+:class:`~lightning_shard.core.preemption.Preempted` (exit status 75) on every rank. Leaving the block restores the
+handlers that were there before. With ``preemption=False`` in the strategy's settings it installs nothing and never
+stops.
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from __future__ import annotations
 import signal
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import _unwrap_objects
 
-from lightning_shard.trainer.preemption import PREEMPTED_EXIT_CODE, StopRequests, stop_after_checkpoint
-
-if TYPE_CHECKING:
-    from lightning_shard.fabric.strategy import ShardedStrategy
+from lightning_shard.core.preemption import PREEMPTED_EXIT_CODE, StopRequests, stop_after_checkpoint
 
 
 class Preemptible:
@@ -45,7 +43,7 @@ class Preemptible:
         ...         preemption.step_end("ckpts/last.ckpt", {"model": model, "optimizer": optimizer, "step": step})
     """
 
-    def __init__(self, strategy: ShardedStrategy, enabled: bool, exit_code: int = PREEMPTED_EXIT_CODE) -> None:
+    def __init__(self, strategy: ParallelStrategy, enabled: bool, exit_code: int = PREEMPTED_EXIT_CODE) -> None:
         self.strategy = strategy
         self.enabled = enabled
         self.exit_code = exit_code

@@ -39,7 +39,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shard.core.fused_optimizer import use_fused_kernels
 from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.strategy_core import ShardedStrategyCore
 from lightning_shard.devices import place_unmanaged_state
@@ -51,7 +50,7 @@ from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.direct_calls import drop_gathered_parameters
 from lightning_shard.plan.parallelize import is_parallelized
 from lightning_shard.plan.precision import clip_grad_norm
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 # The order in which this process set models up (shared by every rank: they run the same program).
 _SETUP_COUNTER = itertools.count()
@@ -206,8 +205,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
                 "it would update nothing. Create it after `fabric.setup_module(model)` from the sharded model's "
                 "parameters, or set both up together: `fabric.setup(model, optimizer)`."
             )
-        self._check_optimizers_are_elementwise([optimizer])
-        use_fused_kernels([optimizer])
+        self._prepare_optimizers([optimizer])
         return optimizer
 
     @override

@@ -31,7 +31,7 @@ from torch import nn
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.io import locate, read_sharded_keys
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 # The checkpoint entry that names the weights left out and their files.
 RECORD_KEY = "frozen_pretrained_weights"

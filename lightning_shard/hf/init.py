@@ -48,7 +48,7 @@ from lightning_shard.init.construction_log import ABSENT, ConstructionLog, Holde
 from lightning_shard.init.full_size import FullSizeParameters
 from lightning_shard.init.libraries import LibraryModel, LibraryStep, register_library
 from lightning_shard.init.ties import replaced_after
-from lightning_shard.torch_compat import storage_key
+from lightning_shard.torch_compat.tensors import storage_key
 
 
 def pretrained_model_class() -> type | None:

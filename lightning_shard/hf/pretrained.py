@@ -29,7 +29,7 @@ from torch import nn
 from lightning_shard.hf.conversion import LoadPlan, load_converted, plan_load
 from lightning_shard.hf.frozen_weights import note_loaded
 from lightning_shard.hf.safetensors_files import slice_reader_class, stored_tensors
-from lightning_shard.torch_compat import holds_values
+from lightning_shard.torch_compat.dispatch import holds_values
 
 # Set on a model built by `from_pretrained` on the meta device: the `LoadPlan` of its weights.
 _PRETRAINED = "_lightning_shard_pretrained_plan"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_shard.torch_compat import check_hf_reader_hook
+from lightning_shard.torch_compat.checkpoint import check_hf_reader_hook
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ def slice_reader_class(base: type) -> type:
     FSDP2 shards along dim 0, so a rank's slice of a tensor is one contiguous byte range of the file; it is read
     straight into the target (through a buffer of the slice's size when the dtype or device differs: a bf16 file
     into fp32 shards). Other slices take the base class's path. The hook it overrides is torch's private per-request
-    one: checked to exist (``torch_compat.check_hf_reader_hook``), or every rank would silently read whole files.
+    one: checked to exist (``torch_compat.checkpoint.check_hf_reader_hook``), or every rank would silently read whole
+    files.
     """
     check_hf_reader_hook(base)
 

@@ -51,7 +51,8 @@ from lightning_shard.init.construction_log import (
 from lightning_shard.init.op_recorder import DataFactories, OpRecorder, modules_under_construction
 from lightning_shard.init.python_calls import PythonCalls
 from lightning_shard.init.rng_watch import GeneratorWatch
-from lightning_shard.torch_compat import remove_mode, storage_key
+from lightning_shard.torch_compat.dispatch import remove_mode
+from lightning_shard.torch_compat.tensors import storage_key
 
 
 class Recording:

@@ -28,7 +28,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_shard.torch_compat import storage_key, tree_map
+from lightning_shard.torch_compat.dispatch import tree_map
+from lightning_shard.torch_compat.tensors import storage_key
 
 # Set on every module seen while a log was recorded: the log.
 _LOG = "_lightning_shard_construction_log"

@@ -23,7 +23,7 @@ from lightning_shard.init.construction_log import HolderKey
 from lightning_shard.init.names import class_name
 from lightning_shard.init.replay import write_shards
 from lightning_shard.init.unset import fill_unset, holds_unset
-from lightning_shard.torch_compat import storage_key
+from lightning_shard.torch_compat.tensors import storage_key
 
 _CPU = torch.device("cpu")
 

@@ -37,7 +37,7 @@ from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateL
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
 from lightning_shard.init.construction_log import HolderKey, Op
 from lightning_shard.init.replay import Overwrite, needed_ops
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -58,7 +58,7 @@ from lightning_shard.init.skipped_draws import SKIPPED
 from lightning_shard.init.ties import find_ties, retie
 from lightning_shard.init.unset import fill_unset, uninitialized_memory_filled
 from lightning_shard.init.verify import refuse_unwritten
-from lightning_shard.torch_compat import reregister_sharded_parameters
+from lightning_shard.torch_compat.fsdp import reregister_sharded_parameters
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_shard.init.construction import Recording
 from lightning_shard.init.construction_log import construction_logs
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 _OPEN: list[Recording] = []  # the recording still open after its block, at most one
 _SHARDING_CODES = (inspect.unwrap(fully_shard).__code__, inspect.unwrap(parallelize_module).__code__)

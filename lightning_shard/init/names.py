@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 
 def joined(prefix: str, name: str) -> str:

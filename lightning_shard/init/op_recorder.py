@@ -32,15 +32,15 @@ from lightning_shard.init.construction_log import SEQUENCE, ConstructionLog, Op,
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.init.rng_watch import INTERNAL, GeneratorWatch
 from lightning_shard.init.skipped_draws import SKIPPED, generator_of
-from lightning_shard.torch_compat import (
+from lightning_shard.torch_compat.dispatch import (
     TorchDispatchMode,
     draws_random_numbers,
     op_arguments,
     op_base_name,
-    storage_key,
     tree_leaves,
     tree_map,
 )
+from lightning_shard.torch_compat.tensors import storage_key
 
 # In-place ops that set every element of the tensor they write without reading it (by their overload packet's name:
 # `aten::fill_` for `aten::fill_.Scalar`). Knowing them only saves memory: the value before is not kept for them.

@@ -31,7 +31,7 @@ from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.init.rng_watch import state_bytes
 from lightning_shard.init.shard_init import host_shard
 from lightning_shard.init.unset import allocates_unwritten, empty_bytes, fill_twice
-from lightning_shard.torch_compat import holds_values, tree_leaves, tree_map
+from lightning_shard.torch_compat.dispatch import holds_values, tree_leaves, tree_map
 
 _CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.torch_compat import local_chunk
+from lightning_shard.torch_compat.distributed import local_chunk
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

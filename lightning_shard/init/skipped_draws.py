@@ -21,7 +21,7 @@ import torch
 
 from lightning_shard.init.construction_log import Scratch, TensorRef
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
-from lightning_shard.torch_compat import tree_map
+from lightning_shard.torch_compat.dispatch import tree_map
 
 _CPU = torch.device("cpu")
 

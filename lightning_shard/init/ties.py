@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_shard.init.construction_log import HolderKey, Registration
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 
 @dataclass(frozen=True)

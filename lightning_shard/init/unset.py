@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.utils.deterministic
 
-from lightning_shard.torch_compat import OpOverload, holds_values, op_base_name
+from lightning_shard.torch_compat.dispatch import OpOverload, holds_values, op_base_name
 
 # The ops that return memory they did not write.
 _ALLOCATING = frozenset(

@@ -23,7 +23,7 @@ from torch import nn
 from lightning_shard.init.names import shown
 from lightning_shard.init.shard_init import local
 from lightning_shard.init.unset import holds_unset
-from lightning_shard.torch_compat import holds_values
+from lightning_shard.torch_compat.dispatch import holds_values
 
 
 def refuse_unwritten(

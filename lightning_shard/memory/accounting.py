@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_shard.torch_compat import fsdp_param_group, unsharded_gradient
+from lightning_shard.torch_compat.fsdp import fsdp_param_group, unsharded_gradient
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -86,12 +86,11 @@ from torch import nn
 
 from lightning_shard.memory.breakdown import MemoryBreakdown, MemoryEstimate
 from lightning_shard.memory.simulate import simulate_memory
+from lightning_shard.memory.transformer_sizes import activation_bytes, gpt_parameter_count
 from lightning_shard.memory.units import checkpointing_mode, count_parameters, mesh_shape, replicated_parameter_counts
 from lightning_shard.plan.config import GradientAccumulation
 from lightning_shard.plan.precision import PRECISION_ALIASES
 from lightning_shard.tensor_parallel import TensorParallelPlan, split_parameters
-
-GIB = 2**30
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -109,56 +108,6 @@ OPTIMIZER_STATES_PER_PARAM = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum":
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 # Where an averaged copy lives: beside the sharded parameters, or in host memory.
 WeightAveragingPlace = Literal["device", "cpu"]
-
-
-def gpt_parameter_count(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> tuple[int, int]:
-    """``(total, largest unit)`` of a GPT-2-style model: ``12·L·h² + 13·L·h + (V + S)·h + 2h`` (tied output head).
-
-    Example:
-        >>> gpt_parameter_count(n_layer=40, n_embd=5140, vocab_size=50257, block_size=2048)[0]
-        12952938780
-    """
-    block = 12 * n_embd**2 + 13 * n_embd
-    root = (vocab_size + block_size) * n_embd + 2 * n_embd
-    return n_layer * block + root, max(block, root)
-
-
-def activation_bytes(
-    *,
-    n_layer: int,
-    n_embd: int,
-    n_head: int,
-    seq_len: int,
-    micro_batch_size: int,
-    vocab_size: int | None,
-    compute_bytes: int,
-    activation_checkpointing: bool | str,
-    fused_attention: bool = True,
-    tensor_parallel_size: int = 1,
-) -> int:
-    """Activation bytes of one micro-batch (Korthikanti et al. 2022), see the module docstring.
-
-    Example:
-        >>> dims = dict(n_layer=1, n_embd=64, n_head=4, seq_len=32, micro_batch_size=1, vocab_size=None)
-        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False)  # 34 s·b·h
-        69632
-        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, fused_attention=False)
-        90112
-        >>> activation_bytes(**dims, compute_bytes=2, activation_checkpointing=False, tensor_parallel_size=2)
-        45056
-        >>> [activation_bytes(**dims, compute_bytes=2, activation_checkpointing=mode) for mode in ("full", "selective")]
-        [73728, 106496]
-    """
-    sbh = seq_len * micro_batch_size * n_embd
-    scale = compute_bytes / 2  # the formula counts 16-bit activations
-    t = tensor_parallel_size
-    scores = 0 if fused_attention else 5 * n_head * seq_len / (n_embd * t)
-    layer = sbh * (10 + 24 / t + scores) * scale
-    mode = checkpointing_mode(activation_checkpointing)
-    kept = {"full": 2 * sbh, "selective": 2 * sbh * (1 + 8 / t)}  # per checkpointed layer (module docstring)
-    layers = n_layer * kept[mode] * scale + layer if mode in kept else n_layer * layer
-    logits = 4 * seq_len * micro_batch_size * vocab_size if vocab_size else 0
-    return int(layers + logits)
 
 
 def _normalise_precision(precision: str | int) -> str:
@@ -385,31 +334,3 @@ def _trainable_count(n_params: int, trainable_params: int | None) -> int:
             f"trainable_params must be between 0 and the {n_params:,} parameters, got {trainable_params:,}"
         )
     return trainable_params
-
-
-def format_estimate_table(model: nn.Module | int, **options: Any) -> str:
-    """A DeepSpeed-estimator-style table: one row per sharding strategy × offload × activation checkpointing.
-
-    ``options`` go to :func:`estimate_memory` (``world_size``, ``precision``, dims, ...), except the three varied here.
-
-    Example:
-        >>> print(format_estimate_table(1_000_000_000, world_size=8, largest_unit_params=0).splitlines()[2])
-           FULL_SHARD    False     False             1.86          0.00
-    """
-    header = f"{'sharding':>13}  {'offload':>7}  {'act ckpt':>8}  {'device GiB/rank':>15}  {'CPU GiB/rank':>12}"
-    lines = [header, "-" * len(header)]
-    for strategy in SHARDING_STRATEGIES:
-        for offload in (False, True):
-            for checkpointing in (False, True):
-                estimate = estimate_memory(
-                    model,
-                    **options,
-                    sharding_strategy=strategy,
-                    cpu_offload=offload,
-                    activation_checkpointing=checkpointing,
-                )
-                lines.append(
-                    f"{strategy:>13}  {offload!s:>7}  {checkpointing!s:>8}  "
-                    f"{estimate.device.total_bytes / GIB:>15.2f}  {estimate.cpu.total_bytes / GIB:>12.2f}"
-                )
-    return "\n".join(lines)

@@ -34,13 +34,10 @@ from typing import Any, get_args
 import torch
 import yaml
 
-from lightning_shard.memory.estimate import (
-    GIB,
-    MemoryEstimate,
-    estimate_memory,
-    format_estimate_table,
-    gpt_parameter_count,
-)
+from lightning_shard.memory.breakdown import MemoryEstimate
+from lightning_shard.memory.estimate import estimate_memory
+from lightning_shard.memory.estimate_table import GIB, format_estimate_table
+from lightning_shard.memory.transformer_sizes import gpt_parameter_count
 from lightning_shard.memory.units import count_parameters
 from lightning_shard.plan.config import GradientAccumulation
 

@@ -51,7 +51,8 @@ from lightning_shard.memory.units import ParameterCounts, checkpointing_mode, co
 from lightning_shard.plan.config import ShardingConfig
 from lightning_shard.plan.parallelize import parallelize_module
 from lightning_shard.plan.precision import ShardedPrecision
-from lightning_shard.torch_compat import memory_simulation_tools, tree_leaves
+from lightning_shard.torch_compat.dispatch import tree_leaves
+from lightning_shard.torch_compat.fsdp import memory_simulation_tools
 
 # FSDPMemTracker categories (``_FSDPRefType`` values) summed into each MemoryBreakdown field. "Unsharded Grad" is a
 # unit's whole gradient before its reduce-scatter - a per-unit transient - unless accumulation is unsharded, where

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_shard.torch_compat import OpOverload
+from lightning_shard.torch_compat.dispatch import OpOverload
 
 SELECTIVE = "selective"
 

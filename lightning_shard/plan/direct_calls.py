@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_shard.hf.init import is_pretrained_model
-from lightning_shard.torch_compat import call_as_fsdp_forward, root_is_gathered
+from lightning_shard.torch_compat.fsdp import call_as_fsdp_forward, root_is_gathered
 
 _METHODS = ("forward", "generate")
 

@@ -36,7 +36,7 @@ from lightning_shard.plan.direct_calls import gather_root_for_direct_calls
 from lightning_shard.plan.replicated import replicate_unshardable_parameters, unshardable_parameters
 from lightning_shard.plan.wrap import plan_units
 from lightning_shard.tensor_parallel import apply_tensor_parallel_plan
-from lightning_shard.torch_compat import (
+from lightning_shard.torch_compat.modules import (
     CHECKPOINT_WRAPPED_MODULE,
     CheckpointImpl,
     CheckpointWrapper,

@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_shard.tensor_parallel.lora import SplitKind, adapted_targets
 from lightning_shard.tensor_parallel.loss import LOSS_PARALLEL_STYLE
-from lightning_shard.torch_compat import visible_name
+from lightning_shard.torch_compat.modules import visible_name
 
 TensorParallelPlan = str | Mapping[str, Any] | Callable[[nn.Module, DeviceMesh], Any]
 

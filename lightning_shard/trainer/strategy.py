@@ -4,7 +4,8 @@ Lightning calls the hooks below in this order: ``setup_environment`` (process gr
 ``configure_model`` inside ``model_sharded_context`` (meta device), ``setup`` (activation checkpointing, sharding,
 materialisation, optimizers), then training with ``block_backward_sync`` around non-final accumulation micro-batches
 (it skips the gradient reduce-scatter only under ``gradient_accumulation="unsharded"``), and ``save_checkpoint`` /
-``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`. ``setup_environment`` also gives
+``load_checkpoint`` through :class:`~lightning_shard.ShardedCheckpointIO`
+(:mod:`lightning_shard.trainer.checkpoint_hooks`). ``setup_environment`` also gives
 Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ...) their sharded copy
 (:mod:`lightning_shard.averaging`). What it shares with the Fabric front-end
 (:class:`lightning_shard.fabric.ShardedStrategy`) lives in
@@ -19,13 +20,11 @@ from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
-import lightning
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,33 +36,22 @@ from typing_extensions import override
 
 from lightning_shard.averaging.callbacks import (
     averaged_copy_place,
-    averaged_models,
-    copy_for_evaluation,
     restore_weight_averaging,
     shard_weight_averaging,
-    with_averaged_copy_entry,
 )
-from lightning_shard.checkpoint.layout import LAYOUT_KEY
-from lightning_shard.core.fused_optimizer import use_fused_kernels
 from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.strategy_core import ShardedStrategyCore
 from lightning_shard.core.undo import UndoLog
 from lightning_shard.devices import place_unmanaged_state
-from lightning_shard.hf.frozen_weights import (
-    RECORD_KEY,
-    checkpoint_record,
-    frozen_pretrained_weights,
-    names_to_skip_on_resume,
-)
-from lightning_shard.init.init_skip import check_after_load, loaded_after_setup, trainer_checkpoint_names
+from lightning_shard.init.init_skip import loaded_after_setup, trainer_checkpoint_names
 from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
-from lightning_shard.plan.direct_calls import drop_gathered_parameters
 from lightning_shard.plan.parallelize import is_parallelized
 from lightning_shard.plan.precision import ShardedPrecision
 from lightning_shard.plan.wrap import WrapPolicy
 from lightning_shard.tensor_parallel import TensorParallelPlan
 from lightning_shard.tensor_parallel.loss import local_outputs, uses_loss_parallel
+from lightning_shard.trainer.checkpoint_hooks import CheckpointHooks, unwrapped_optimizer
 from lightning_shard.trainer.launcher import ShardedMultiProcessingLauncher, ShardedScriptLauncher
 from lightning_shard.trainer.model_checkpoint import link_when_published
 from lightning_shard.trainer.preemption import add_strategy_preemption
@@ -72,7 +60,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
+class ShardedStrategy(CheckpointHooks, ShardedStrategyCore, ParallelStrategy):
     """Fully Sharded Data Parallel training on FSDP2 ``fully_shard``, on CPU (gloo) and CUDA (nccl).
 
     Args:
@@ -109,9 +97,8 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         async_save: write sharded checkpoints in the background (see :class:`ShardedCheckpointIO`).
         preemption: ``True`` (default): without a :class:`~lightning_shard.PreemptionCheckpoint` of your own, the
             strategy adds :class:`~lightning_shard.trainer.preemption.StrategyPreemptionCheckpoint`: ``SIGTERM``, and
-            SLURM's
-            requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks agree on,
-            with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
+            SLURM's requeue signal under ``SLURMEnvironment(auto_requeue=True)``, stop the run at a step all ranks
+            agree on, with a checkpoint of that step, requeue and exit status 75, never by Lightning's in-handler save.
             ``False``: Lightning's own signal handling.
         cpu_collectives: on CPU meshes, ``"gloo"`` (default: FSDP2's own collectives, the path GPU users run on
             nccl) or ``"shared_memory"`` (opt-in, ranks of one host only: FSDP2's all-gather and reduce-scatter
@@ -297,8 +284,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._check_optimizers_are_elementwise([_unwrapped(optimizer) for optimizer in self.optimizers])
-            use_fused_kernels([_unwrapped(optimizer) for optimizer in self.optimizers])
+            self._prepare_optimizers([unwrapped_optimizer(optimizer) for optimizer in self.optimizers])
         self.precision_plugin.use_device(self.root_device)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -364,94 +350,6 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         return self.all_reduce(tensor, group, reduce_op)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.model is not None
-        leave_out = self._frozen_pretrained_weights_left_out()
-        return self.checkpoint_io.model_state(
-            self.model, full=self.config.state_dict_type == "full", leave_out=leave_out
-        )
-
-    def _frozen_pretrained_weights_left_out(self) -> dict[str, Any]:
-        if self.config.save_frozen_pretrained_weights:
-            return {}
-        assert self.model is not None
-        return frozen_pretrained_weights(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.model is not None
-        full = self.config.state_dict_type == "full"
-        return self.checkpoint_io.optimizer_state(self.model, _unwrapped(optimizer), full=full)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        # Every rank takes part: a sharded save writes each rank's shard, a full save gathers to rank 0.
-        path = self.broadcast(str(filepath))
-        full = self.config.state_dict_type == "full"
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            checkpoint = with_averaged_copy_entry(
-                checkpoint,
-                self.lightning_module.trainer.callbacks,
-                lambda copy: self.checkpoint_io.model_state(copy, full=full),
-            )
-        left_out = self._frozen_pretrained_weights_left_out()
-        if left_out:  # the state dict left them out; the checkpoint says which, and where they are read from
-            checkpoint = {**checkpoint, RECORD_KEY: checkpoint_record(left_out)}
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
-        self.barrier("remove_checkpoint")
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.model is not None
-        assert self.lightning_module is not None
-        path = self.broadcast(str(checkpoint_path))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        # Fit restores the weight-averaging callback's copy; evaluation evaluates a checkpoint's averaged weights.
-        callbacks = self.lightning_module.trainer.callbacks
-        averaged = averaged_models(callbacks) if fitting else copy_for_evaluation(path, self.lightning_module)
-        checkpoint = self.checkpoint_io.load_into(
-            path,
-            self.model,
-            [_unwrapped(optimizer) for optimizer in self.optimizers],
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-            absent=names_to_skip_on_resume(path, self.model),
-            averaged=averaged,
-        )
-        check_after_load(self.model)  # the tensors materialisation left to this load: written now?
-        for copy in [] if fitting else averaged.values():
-            copy.copy_to(self.lightning_module)
-        drop_gathered_parameters(self.model)  # gathered before the load (a call after fit): stale now
-        if LAYOUT_KEY in checkpoint:  # written by a Fabric program: weights, optimizer states and its own entries
-            if fitting:
-                raise ValueError(
-                    f"The checkpoint {path} was written by a Fabric program: it holds weights and optimizer states "
-                    "but no Trainer loop or scheduler state, so `fit(ckpt_path=...)` cannot resume from it. To train "
-                    "on from its weights, load them with `trainer.validate(model, ckpt_path=...)`, then call "
-                    "`trainer.fit(model)`."
-                )
-            # Lightning migrates checkpoints by their version; the program's own entries have nothing to migrate.
-            checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # `load_checkpoint` already loaded the weights into the sharded model.
-        pass
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # `load_checkpoint` already loaded the optimizer states into the sharded optimizers.
-        pass
-
     @override
     def teardown(self) -> None:
         # Unlike the base Strategy, leave the sharded model where it is: moving it to the CPU would gather nothing
@@ -466,10 +364,6 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             self.accelerator.teardown()
         finally:
             self.undo_log.undo()
-
-
-def _unwrapped(optimizer: Optimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _evaluate_without_inference_mode(trainer: pl.Trainer, undo_log: UndoLog) -> None:
