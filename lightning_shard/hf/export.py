@@ -57,9 +57,9 @@ from lightning_shard.checkpoint.integrity import (
     mismatch_problems,
     read_metadata,
 )
-from lightning_shard.checkpoint.io import MODEL_KEY, _recorded_layout, is_sharded_checkpoint, read_sharded_keys
-from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
+from lightning_shard.checkpoint.layout import LAYOUT_KEY, MODEL_KEY, StateLayout
 from lightning_shard.checkpoint.publish import discard, publish, staging_path
+from lightning_shard.checkpoint.read import _recorded_layout, is_sharded_checkpoint, read_sharded_keys
 from lightning_shard.cpu.heap import release_freed_heap
 from lightning_shard.hf.frozen_export import BaseTensor, PretrainedBase
 from lightning_shard.hf.frozen_weights import read_record
