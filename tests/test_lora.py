@@ -287,7 +287,7 @@ def test_a_merged_small_checkpoint_is_read_one_shard_at_a_time(
     import lightning_shard.hf.export as export
 
     reads: list[int] = []
-    monkeypatch.setattr(export, "_with_base", recording_reads(export._with_base, reads))
+    monkeypatch.setattr(export, "with_base", recording_reads(export.with_base, reads))
     done = export.export_hf(
         results["two"] / f"llama-{LAST}", tmp_path / "out", checkpoints / "llama", merge_lora=True,
         lora_config=lora_fields("llama"), max_shard_size="20KB",
