@@ -88,16 +88,16 @@ def _phases(seconds: dict[str, float]) -> Iterator[None]:
     """Accumulate the wall time of the sharded load's steps (as the checkpoint IO calls them) into ``seconds``."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_shard.checkpoint import integrity, io
+    from lightning_shard.checkpoint import integrity, load
     from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 
     targets: list[tuple[Any, str, str]] = [
         (integrity, "agreed", "the two agreements across ranks (and what they wrap)"),
-        (io, "_check_sharded", "integrity check (metadata, file sizes, names and shapes)"),
-        (io, "_live_states", "get_state_dict (sharded: the live shards and optimizer states)"),
+        (load, "_check_sharded", "integrity check (metadata, file sizes, names and shapes)"),
+        (load, "_live_states", "get_state_dict (sharded: the live shards and optimizer states)"),
         (dcp, "load", "dcp.load (planning and reading)"),
         (InPlaceFileSystemReader, "read_data", "of which reading the shards into the live tensors"),
-        (io, "_set_live_states", "set_state_dict"),
+        (load, "_set_live_states", "set_state_dict"),
     ]
     originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
-import lightning_shard.checkpoint.io as io_module  # noqa: E402
+import lightning_shard.checkpoint.async_save as async_save  # noqa: E402
 from lightning_shard.checkpoint import convert  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy as FabricStrategy  # noqa: E402
 
@@ -61,17 +61,17 @@ def files_in(path: Path) -> list[str]:
 @contextlib.contextmanager
 def slow_publish() -> Iterator[None]:
     """Rank 0 publishes a save ``SLOW_PUBLISH`` seconds late."""
-    original = io_module.publish
+    original = async_save.publish
 
     def late(*args: Any, **kwargs: Any) -> None:
         time.sleep(SLOW_PUBLISH)
         original(*args, **kwargs)
 
-    io_module.publish = late if dist.get_rank() == 0 else original
+    async_save.publish = late if dist.get_rank() == 0 else original
     try:
         yield
     finally:
-        io_module.publish = original
+        async_save.publish = original
 
 
 def trainer(out: Path, steps: int, callbacks: list[Any], **strategy: Any) -> L.Trainer:

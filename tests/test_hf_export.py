@@ -217,8 +217,8 @@ def _adapter_config(directory: Path) -> dict[str, Any]:
 
 
 def recording_reads(open_source: Callable[..., Any], reads: list[int]) -> Callable[..., Any]:
-    """``open_source`` (one of the export's functions that return its checkpoint ``_Checkpoint``), whose sources add
-    the bytes of each read to ``reads``."""
+    """``open_source`` (one of the export's functions that return its checkpoint ``CheckpointWeights``), whose
+    sources add the bytes of each read to ``reads``."""
 
     def recording(*args: Any) -> Any:
         source = open_source(*args)
@@ -241,7 +241,7 @@ def test_a_merged_export_reads_one_shard_and_its_adapters_at_a_time(
     import lightning_shard.hf.export as export
 
     reads: list[int] = []
-    monkeypatch.setattr(export, "_open_checkpoint", recording_reads(export._open_checkpoint, reads))
+    monkeypatch.setattr(export, "open_checkpoint", recording_reads(export.open_checkpoint, reads))
     done = export.export_hf(
         runs / "llama" / "sharded.ckpt",
         tmp_path / "out",
@@ -292,8 +292,8 @@ def test_a_merge_that_would_untie_tied_weights_is_refused() -> None:
     from hf_run import gpt2_config
     from transformers import AutoModelForCausalLM
 
-    from lightning_shard.hf.export import saved_names
     from lightning_shard.hf.peft_export import PeftLayout
+    from lightning_shard.hf.weight_names import saved_names
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(gpt2_config())
@@ -447,14 +447,14 @@ def test_an_output_directory_filled_during_the_export_is_kept(
     import lightning_shard.hf.export as export
 
     out = tmp_path / "out"
-    copy = export._copy_config_files
+    copy = export.copy_config_files
 
     def copy_then_someone_fills_the_output(*args: Any) -> None:
         copy(*args)
         out.mkdir()
         (out / "notes.txt").write_text("mine")
 
-    monkeypatch.setattr(export, "_copy_config_files", copy_then_someone_fills_the_output)
+    monkeypatch.setattr(export, "copy_config_files", copy_then_someone_fills_the_output)
     args = ["export-hf", str(runs / "gpt2" / "sharded.ckpt"), str(out), "--config", str(runs / "gpt2" / "config")]
     assert cli_main(args) == 2
     assert f"{out} is a directory that is not a checkpoint written by lightning-shard (it holds notes.txt)" in (

@@ -157,7 +157,7 @@ def test_small_checkpoint_holds_the_adapters_and_names_the_files(
     path = Path(two["checkpoint"])
     base = checkpoints / family / "model.safetensors"
     if SMALL_CHECKPOINT[family] == "sharded":
-        from lightning_shard.checkpoint.io import read_sharded_keys
+        from lightning_shard.checkpoint.read import read_sharded_keys
 
         assert path.is_dir()
         checkpoint = read_sharded_keys(path)
@@ -287,7 +287,7 @@ def test_a_merged_small_checkpoint_is_read_one_shard_at_a_time(
     import lightning_shard.hf.export as export
 
     reads: list[int] = []
-    monkeypatch.setattr(export, "_with_base", recording_reads(export._with_base, reads))
+    monkeypatch.setattr(export, "with_base", recording_reads(export.with_base, reads))
     done = export.export_hf(
         results["two"] / f"llama-{LAST}", tmp_path / "out", checkpoints / "llama", merge_lora=True,
         lora_config=lora_fields("llama"), max_shard_size="20KB",
@@ -528,7 +528,7 @@ def test_lora_example_trains_the_adapters_and_saves_small_checkpoints(
     # LoRA B starts at zero: the first loss is the pretrained model's own
     assert abs(losses[0] - _pretrained_loss_on_first_batches(pretrained)) <= 1e-4
     assert sorted(losses) == list(range(6)) and losses[5] < losses[0]
-    from lightning_shard.checkpoint.io import read_sharded_keys
+    from lightning_shard.checkpoint.read import read_sharded_keys
 
     checkpoint = read_sharded_keys(out / "checkpoints/last.ckpt", {"state_dict", RECORD_KEY})
     assert checkpoint["state_dict"] and all(is_lora(key) for key in checkpoint["state_dict"])

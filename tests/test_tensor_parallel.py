@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_shard import ShardedStrategy, ShardingConfig, estimate_memory
-from lightning_shard.checkpoint.io import read_sharded_keys
+from lightning_shard.checkpoint.read import read_sharded_keys
 from lightning_shard.cli import main as cli_main
 from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.parallelize import parallelize_module

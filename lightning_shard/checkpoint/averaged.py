@@ -17,9 +17,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import _recorded_layout, locate
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
+from lightning_shard.checkpoint.read import _recorded_layout, locate
 
 # The prefix of the weights' names in an averaged copy's state dict.
 AVERAGED_NAME_PREFIX = "module."
@@ -38,7 +38,7 @@ def averaged_key(layout: StateLayout, holds: Collection[str]) -> str | None:
 def holds_averaged_copy(path: _PATH) -> bool:
     """Whether the checkpoint at ``path`` (either format) holds an averaged copy; call on every rank. Decided once,
     by rank 0, as a load decides what it reads: after the saves in flight are published and a checkpoint an
-    interrupted publish moved aside is put back (:func:`~lightning_shard.checkpoint.io.locate`), then broadcast, so
+    interrupted publish moved aside is put back (:func:`~lightning_shard.checkpoint.read.locate`), then broadcast, so
     that every rank gets the same answer (or the same error) whatever its own view of the filesystem.
 
     Raises:

@@ -12,14 +12,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import (
-    ShardedCheckpointIO,
-    is_sharded_checkpoint,
-    read_sharded_keys,
-    wait_for_saves_in_flight,
-)
+from lightning_shard.checkpoint.async_save import wait_for_saves_in_flight
+from lightning_shard.checkpoint.io import ShardedCheckpointIO
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, WORLD_SIZE_KEY, StateLayout
 from lightning_shard.checkpoint.publish import discard, publish, staging_path
+from lightning_shard.checkpoint.read import is_sharded_checkpoint, read_sharded_keys
 from lightning_shard.checkpoint.writer import write_full_file
 
 

@@ -111,6 +111,8 @@ class StateLayout:
 
 
 TRAINER_LAYOUT = StateLayout()
+# Where the Trainer's checkpoints (and the exports reading them) find the model's weights.
+MODEL_KEY = TRAINER_LAYOUT.model
 
 
 def lookup(tree: Any, path: Path) -> Any:

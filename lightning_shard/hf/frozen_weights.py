@@ -29,8 +29,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_shard.checkpoint import integrity
-from lightning_shard.checkpoint.io import locate, read_sharded_keys
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
+from lightning_shard.checkpoint.read import locate, read_sharded_keys
 from lightning_shard.torch_compat.modules import visible_name
 
 # The checkpoint entry that names the weights left out and their files.

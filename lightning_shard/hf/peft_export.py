@@ -124,7 +124,7 @@ class PeftLayout:
     @classmethod
     def build(cls, hf_model: nn.Module, hf_aliases: Mapping[str, list[str]], peft_config: Any) -> PeftLayout:
         """Wrap ``hf_model`` (meta device; wrapped in place) with ``peft_config``; ``hf_aliases`` are its saved names
-        (:func:`~lightning_shard.hf.export.saved_names`), read before wrapping."""
+        (:func:`~lightning_shard.hf.weight_names.saved_names`), read before wrapping."""
         peft = _peft()
         tensors = {name: hf_model.get_parameter_or_buffer(name) for names in hf_aliases.values() for name in names}
         with torch.device("meta"):

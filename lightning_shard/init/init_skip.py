@@ -32,9 +32,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_shard.checkpoint.io import _recorded_layout
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
+from lightning_shard.checkpoint.read import _recorded_layout
 from lightning_shard.init.construction_log import HolderKey, Op
 from lightning_shard.init.replay import Overwrite, needed_ops
 from lightning_shard.torch_compat.modules import visible_name
