@@ -73,7 +73,7 @@ def _stall_worker(args: argparse.Namespace) -> None:
                 self.records.append({"step": step, "kind": kind, "stall": time.perf_counter() - start,
                                      "path": path.name, "started": start})  # fmt: skip
                 if kind == "async":
-                    io._in_flight.add_done_callback(lambda _, name=path.name: self._published(name))
+                    io._in_flight.published.add_done_callback(lambda _, name=path.name: self._published(name))
                 self._delete_published(trainer)
                 self.saved.append(path)
 

@@ -171,12 +171,21 @@ def test_mixing_the_packages_names_both_and_the_class_to_use(tmp_path: Path) -> 
         trainer.fit(BoringModel())
 
 
+def torch_compat_modules() -> list[str]:
+    return [
+        f"lightning_shard.torch_compat.{p.stem}"
+        for p in Path(lightning_shard.__file__).parent.glob("torch_compat/*.py")
+    ]
+
+
 def test_only_what_uses_lightning_exists_twice() -> None:
     analysis = framework_use()
     twice = analysis.modules_using_framework()
     # the sharding engine, the initialisation rule and their registries are shared
-    for module in ("materialize", "parallelize", "hf.init", "tensor_parallel.plan", "wrap", "config", "torch_compat"):
-        assert f"lightning_shard.{module}" not in twice, module
+    shared = ("init.materialize", "plan.parallelize", "hf.init", "tensor_parallel.plan", "plan.wrap", "plan.config")
+    for module in [*(f"lightning_shard.{name}" for name in shared), *torch_compat_modules()]:
+        assert module in analysis.modules, f"{module} moved: name its new place here"
+        assert module not in twice, module
     assert standalone.ShardingConfig is lightning_shard.ShardingConfig
     assert standalone.checkpoint.is_sharded_checkpoint is lightning_shard.is_sharded_checkpoint
     # one registry of the background saves in flight (it uses no Lightning): a load through either package waits for

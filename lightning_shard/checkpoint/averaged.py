@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_shard.checkpoint import integrity
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-from lightning_shard.checkpoint.read import _recorded_layout, locate
+from lightning_shard.checkpoint.read import locate, recorded_layout
 
 # The prefix of the weights' names in an averaged copy's state dict.
 AVERAGED_NAME_PREFIX = "module."
@@ -55,7 +55,7 @@ def holds_averaged_copy(path: _PATH) -> bool:
 
 def _sharded_holds(path: Path) -> bool:
     metadata = integrity.read_metadata(path)
-    return averaged_key(_recorded_layout(path, metadata), top_level_keys(metadata)) is not None
+    return averaged_key(recorded_layout(path, metadata), top_level_keys(metadata)) is not None
 
 
 def top_level_keys(metadata: Metadata) -> set[str]:

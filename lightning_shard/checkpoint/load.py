@@ -42,7 +42,7 @@ from lightning_shard.checkpoint.layout import LAYOUT_KEY, StateLayout, lookup
 from lightning_shard.checkpoint.model_parallel import model_parallel_layout, with_model_parallel_entries
 from lightning_shard.checkpoint.optimizer_state import saved_parameter_names, without_unsaved
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-from lightning_shard.checkpoint.read import _recorded_layout, load_without_collectives
+from lightning_shard.checkpoint.read import load_without_collectives, recorded_layout
 from lightning_shard.checkpoint.reader import InPlaceFileSystemReader
 from lightning_shard.checkpoint.unit_load import load_full_unit_by_unit
 from lightning_shard.torch_compat.checkpoint import set_element
@@ -132,7 +132,7 @@ def _check_sharded(
     """The files whole and the weights' names and shapes against the model's (and the averaged copies' against
     theirs): the metadata, the layout, and where the averaged copies the checkpoint holds are (key -> saved key)."""
     metadata = integrity.check_sharded(path)
-    saved = _recorded_layout(path, metadata)
+    saved = recorded_layout(path, metadata)
     integrity.check_model_fits(path, integrity.sharded_model_shapes(metadata, saved.model), model_state, strict)
     averaged_sources = {}
     for key, state in averaged_states.items():

@@ -5,7 +5,7 @@
   saves in flight are published; call on every rank.
 * :func:`read_sharded_keys`: takes a sharded checkpoint and keys, gives those entries whole in this process (no
   process group needed), read with :class:`~lightning_shard.checkpoint.reader.InPlaceFileSystemReader`.
-* ``_recorded_layout``: takes a sharded checkpoint and its metadata, gives the
+* ``recorded_layout``: takes a sharded checkpoint and its metadata, gives the
   :class:`~lightning_shard.checkpoint.layout.StateLayout` it recorded.
 
 Example:
@@ -89,7 +89,7 @@ def read_sharded_keys(path: _PATH, keys: set[str] | None = None) -> dict[str, An
             raise integrity.unwrapped(error) from None
 
 
-def _recorded_layout(path: Path, metadata: Metadata) -> StateLayout:
+def recorded_layout(path: Path, metadata: Metadata) -> StateLayout:
     """The layout a sharded checkpoint recorded (one small pickled entry); the Trainer's if it recorded none."""
     entry = metadata.state_dict_metadata.get(LAYOUT_KEY)
     if entry is None:  # the Trainer's, or Lightning's ModelParallelStrategy's

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_shard.checkpoint.averaged import AVERAGED_NAME_PREFIX, averaged_key, top_level_keys
 from lightning_shard.checkpoint.integrity import check_sharded, full_model_shapes, load_full_file, read_metadata
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, MODEL_KEY, StateLayout
-from lightning_shard.checkpoint.read import _recorded_layout, is_sharded_checkpoint, read_sharded_keys
+from lightning_shard.checkpoint.read import is_sharded_checkpoint, read_sharded_keys, recorded_layout
 from lightning_shard.hf.frozen_export import BaseTensor
 from lightning_shard.hf.frozen_weights import read_record
 
@@ -61,7 +61,7 @@ class CheckpointWeights:
 def open_checkpoint(path: Path, weights: Weights = "trained") -> CheckpointWeights:
     if is_sharded_checkpoint(path):
         metadata = check_sharded(path)
-        entry, prefix = _weights_entry(path, weights, _recorded_layout(path, metadata), top_level_keys(metadata))
+        entry, prefix = _weights_entry(path, weights, recorded_layout(path, metadata), top_level_keys(metadata))
         stem = f"{entry}.{prefix}"
         entries = {
             key[len(stem) :]: meta

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
-from lightning_shard.checkpoint.read import _recorded_layout
+from lightning_shard.checkpoint.read import recorded_layout
 from lightning_shard.init.construction_log import HolderKey, Op
 from lightning_shard.init.replay import Overwrite, needed_ops
 from lightning_shard.torch_compat.modules import visible_name
@@ -118,7 +118,7 @@ def _names_here(path: Path, averaged: bool, raw: bool) -> frozenset[str]:
     try:
         if path.is_dir():
             metadata = FileSystemReader(path).read_metadata()
-            layout = _recorded_layout(path, metadata)
+            layout = recorded_layout(path, metadata)
             prefix = f"{layout.model}."
             keys = metadata.state_dict_metadata
             names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
