@@ -13,9 +13,10 @@ fastest round is the one least slowed by others):
                  load), of the directory written without checksums (nothing to verify) vs with them (every item
                  hashed as it is read), both from the page cache: the fastest a load gets, so the largest share the
                  hashing can take (from a disk, the load is slower and the hashing the same);
-  full save      ``torch.save`` to a path + fsync vs ``write_full_file`` (through a Python file, fsync, then the whole
-                 file hashed into its zip comment);
-  full load      ``torch.load`` of the file vs ``check_full_file`` (the whole file hashed) + the same ``torch.load``;
+  full save      ``torch.save`` to a path + fsync vs ``write_full_file`` (through a Python file that hashes what is
+                 written, fsync, the hash into the zip comment);
+  full load      ``torch.load`` of the file vs ``check_full_file`` (the whole file hashed through a memory map of
+                 the page cache) + the same ``torch.load``;
   hash only      the checkpoint's tensors hashed in memory: the least a checked load adds, as a share of the
                  unchecked sharded load (the figure that holds on a quiet machine; the differences above carry the
                  noise of a shared one).

@@ -20,6 +20,8 @@ load with one warning.
 from __future__ import annotations
 
 import functools
+import io
+import mmap
 import os
 import warnings
 import zlib
@@ -96,8 +98,27 @@ def checksum_of(chunks: Iterable[Any], recorded: str | None = None) -> str:
     return f"{algorithm}:{state.hexdigest()}"
 
 
-def file_range(stream: Any, offset: int, length: int) -> Iterable[bytes]:
-    """The bytes ``[offset, offset + length)`` of the open binary ``stream``, in chunks (short if the file is)."""
+def file_range(stream: Any, offset: int, length: int) -> Iterable[Any]:
+    """The bytes ``[offset, offset + length)`` of the open binary ``stream`` (short if the file is): one view of the
+    file mapped into memory, so hashing reads the page cache without copying it; in chunks where the file cannot be
+    mapped (an empty file, a stream that is not a file). A view is valid until the next item is asked for.
+
+    Example:
+        >>> import io
+        >>> b"".join(file_range(io.BytesIO(b"abcdef"), 1, 3))
+        b'bcd'
+    """
+    try:
+        mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        yield from _chunks(stream, offset, length)
+        return
+    # The views are released before the mapping closes, even while the caller still names the last one.
+    with mapped, memoryview(mapped) as whole, whole[offset : offset + length] as part:
+        yield part
+
+
+def _chunks(stream: Any, offset: int, length: int) -> Iterable[bytes]:
     stream.seek(offset)
     while length > 0:
         chunk = stream.read(min(length, _CHUNK))
@@ -105,6 +126,44 @@ def file_range(stream: Any, offset: int, length: int) -> Iterable[bytes]:
             return
         length -= len(chunk)
         yield chunk
+
+
+class HashingWriter:
+    """A binary file that hashes what is written through it, except its last two bytes: the checksum that
+    :func:`seal_full_file` puts in a ``torch.save`` zip's comment covers every byte before the comment's length field,
+    so writing the file computes it without reading the file back.
+
+    Example:
+        >>> import io
+        >>> writer = HashingWriter(io.BytesIO()); writer.write(b"abc"); writer.write(b"de")
+        3
+        2
+        >>> writer.checksum() == checksum_of([b"abc"])
+        True
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._state = hasher()
+        self._held = b""  # the last two bytes written so far: hashed once more bytes follow them
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= 2:
+            self._state.update(self._held)
+            self._state.update(view[:-2])
+            self._held = bytes(view[-2:])
+        else:
+            pending = self._held + bytes(view)
+            self._state.update(pending[:-2])
+            self._held = pending[-2:]
+        return self.stream.write(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def checksum(self) -> str:
+        return f"{ALGORITHM}:{self._state.hexdigest()}"
 
 
 # ------------------------------------------------------------------ `.metadata` of a sharded checkpoint
@@ -145,9 +204,9 @@ def item_checksum(info: Any) -> str | None:
 # ------------------------------------------------------------------ full checkpoint files
 
 
-def seal_full_file(path: str | os.PathLike) -> None:
+def seal_full_file(path: str | os.PathLike, digest: str | None = None) -> None:
     """Set the zip comment of the ``torch.save`` file at ``path`` (just written, not yet published) to the checksum
-    of the file's bytes before it.
+    of the file's bytes before it: ``digest`` when the write computed it (:class:`HashingWriter`), else read back.
 
     Example:
         >>> torch.save(checkpoint, staging); seal_full_file(staging)  # doctest: +SKIP
@@ -158,7 +217,8 @@ def seal_full_file(path: str | os.PathLike) -> None:
         end = stream.read(_ZIP_END_LENGTH)
         if not end.startswith(_ZIP_END_SIGNATURE) or end[_COMMENT_LENGTH_AT:] != b"\0\0":
             raise ValueError(f"{path} does not end with a zip archive without comment, as torch.save writes it.")
-        digest = checksum_of(file_range(stream, 0, size - 2))  # up to the comment's length field
+        if digest is None:
+            digest = checksum_of(file_range(stream, 0, size - 2))  # up to the comment's length field
         comment = FULL_FILE_MARK + digest.encode()
         stream.seek(size - 2)
         stream.write(len(comment).to_bytes(2, "little") + comment)

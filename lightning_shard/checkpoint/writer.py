@@ -78,9 +78,10 @@ def write_full_file(checkpoint: Any, path: Path) -> None:
     """
     try:
         with open(path, "wb") as stream:
-            torch.save(checkpoint, stream)
+            writer = checksums.HashingWriter(stream)
+            torch.save(checkpoint, writer)
             stream.flush()
             os.fsync(stream.fileno())
-        checksums.seal_full_file(path)
+        checksums.seal_full_file(path, writer.checksum())
     except Exception as error:
         raise_named(error, str(path))
