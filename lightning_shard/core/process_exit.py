@@ -33,7 +33,9 @@ import torch.distributed as dist
 _TASKS = Path("/proc/self/task")
 _POLL_S = 0.002
 _QUIET_POLLS = 3  # consecutive polls with no other thread running
-_MAX_WAIT_S = 2.0
+# A worker descheduled under load runs again within milliseconds; a thread that spins for good (a GPU library's
+# progress thread) must not hold every exit for long.
+_MAX_WAIT_S = 0.5
 
 
 def _other_threads_running() -> bool | None:
