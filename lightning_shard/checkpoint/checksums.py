@@ -25,7 +25,8 @@ import mmap
 import os
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 try:
@@ -98,24 +99,53 @@ def checksum_of(chunks: Iterable[Any], recorded: str | None = None) -> str:
     return f"{algorithm}:{state.hexdigest()}"
 
 
+@contextmanager
+def _mapped(stream: Any) -> Iterator[memoryview | None]:
+    """A view of the whole file behind ``stream``, mapped into memory (hashing then reads the page cache without
+    copying it); ``None`` where it cannot be mapped (an empty file, a stream that is not a file)."""
+    try:
+        mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        yield None
+        return
+    with mapped, memoryview(mapped) as whole:
+        yield whole
+
+
 def file_range(stream: Any, offset: int, length: int) -> Iterable[Any]:
     """The bytes ``[offset, offset + length)`` of the open binary ``stream`` (short if the file is): one view of the
-    file mapped into memory, so hashing reads the page cache without copying it; in chunks where the file cannot be
-    mapped (an empty file, a stream that is not a file). A view is valid until the next item is asked for.
+    mapped file, or chunks where it cannot be mapped. A view is valid until the next item is asked for.
 
     Example:
         >>> import io
         >>> b"".join(file_range(io.BytesIO(b"abcdef"), 1, 3))
         b'bcd'
     """
-    try:
-        mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        yield from _chunks(stream, offset, length)
-        return
-    # The views are released before the mapping closes, even while the caller still names the last one.
-    with mapped, memoryview(mapped) as whole, whole[offset : offset + length] as part:
-        yield part
+    with _mapped(stream) as whole:
+        if whole is None:
+            yield from _chunks(stream, offset, length)
+            return
+        # Released before the mapping closes, even while the caller still names it.
+        with whole[offset : offset + length] as part:
+            yield part
+
+
+def range_checksums(stream: Any, ranges: Iterable[tuple[int, int]]) -> list[str]:
+    """The checksum of each ``(offset, length)`` range of the open binary ``stream``, the file mapped once for all.
+
+    Example:
+        >>> import io
+        >>> range_checksums(io.BytesIO(b"abcdef"), [(0, 1), (1, 2)]) == [checksum_of([b"a"]), checksum_of([b"bc"])]
+        True
+    """
+    with _mapped(stream) as whole:
+        if whole is None:
+            return [checksum_of(_chunks(stream, offset, length)) for offset, length in ranges]
+        digests = []
+        for offset, length in ranges:
+            with whole[offset : offset + length] as part:
+                digests.append(checksum_of([part]))
+        return digests
 
 
 def _chunks(stream: Any, offset: int, length: int) -> Iterable[bytes]:

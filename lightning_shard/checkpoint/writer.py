@@ -62,10 +62,11 @@ def _add_checksums(directory: Path, results: Sequence[WriteResult]) -> None:
     for result in results:
         by_file.setdefault(result.storage_data.relative_path, []).append(result)
     for relative_path, written in by_file.items():
+        infos = sorted((result.storage_data for result in written), key=lambda info: info.offset)
         with open(directory / relative_path, "rb") as stream:
-            for result in sorted(written, key=lambda result: result.storage_data.offset):
-                info = result.storage_data
-                info.checksum = checksums.checksum_of(checksums.file_range(stream, info.offset, info.length))
+            digests = checksums.range_checksums(stream, [(info.offset, info.length) for info in infos])
+        for info, digest in zip(infos, digests, strict=True):
+            info.checksum = digest
 
 
 def write_full_file(checkpoint: Any, path: Path) -> None:
