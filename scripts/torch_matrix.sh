@@ -26,7 +26,8 @@ LEGS=("$@")
 TESTS=${MATRIX_TESTS:-tests/test_torch_compat.py tests/test_gloo_comms.py tests/test_shm_comms.py tests/test_compile.py
     tests/test_init_rule.py tests/test_direct_calls.py tests/test_fsdp1_compat.py tests/test_parity.py
     tests/test_checkpoints.py tests/test_tensor_parallel.py tests/test_averaging.py tests/test_hf_models.py
-    tests/test_lora.py tests/test_lora_estimate.py tests/test_standalone.py}
+    tests/test_lora.py tests/test_lora_estimate.py tests/test_standalone.py tests/test_stream_jump.py
+    tests/test_draw_counts.py tests/test_init_skip.py}
 mkdir -p "$VENVS"
 
 interpreter() {  # the newest python$1 that runs (a pyenv shim on PATH may not)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,23 @@ from init_styles import AFTER_BUILD, ERRORS, SEED, STYLES, Body, StyleModule  # 
 from toy import QUIET  # noqa: E402
 
 import lightning_shard  # noqa: E402, F401  (registers the strategy)
+from lightning_shard.init import draw_counts, split_replay  # noqa: E402
+
+SPLIT: list[bool] = []  # per materialisation: whether the replay was split between the ranks
+CHUNKED: list[int] = []  # per split: how many tensors each rank filled in its own chunk
+
+
+def _note_splits() -> None:
+    run = split_replay.WorkSplit.run
+
+    def noting(self: split_replay.WorkSplit, *args: Any) -> bool:
+        done = run(self, *args)
+        SPLIT.append(done)
+        CHUNKED.append(len(self.chunked))
+        return done
+
+    split_replay.WorkSplit.run = noting  # type: ignore[method-assign]
+
 
 FABRIC_STYLES = [
     "nanogpt",
@@ -61,6 +79,21 @@ def trainer_style(name: str) -> dict[str, torch.Tensor]:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="fully_sharded", max_steps=0, **QUIET)
     trainer.fit(module, DataLoader(torch.zeros(4, 1)))
     return gathered(module)
+
+
+def miscounted_style(name: str) -> dict[str, Any]:
+    """A style built while every jumped draw is counted one output too many (as if torch's kernel took another count
+    than the one checked): the split's stream check must catch it, warn, and replay whole."""
+    counted, chunked = draw_counts.outputs_of, split_replay.chunk_filled
+    draw_counts.outputs_of = lambda op: None if (outputs := counted(op)) is None else outputs + 1
+    split_replay.chunk_filled = lambda *args, **kwargs: set()  # every tensor through an owner's replay
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = trainer_style(name)
+    finally:
+        draw_counts.outputs_of, split_replay.chunk_filled = counted, chunked
+    return {"state": state, "warned": any("streams disagreed" in str(w.message) for w in caught)}
 
 
 def fabric() -> L.Fabric:
@@ -134,10 +167,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    results: dict[str, Any] = {"trainer": {}, "fabric": {}, "after_build": {}}
+    _note_splits()
+    results: dict[str, Any] = {"trainer": {}, "fabric": {}, "after_build": {}, "split": {}, "chunked": {}}
     for name in STYLES:
         if name not in ERRORS:
+            SPLIT.clear()
+            CHUNKED.clear()
             results["trainer"][name] = trainer_style(name)
+            results["split"][name] = any(SPLIT)
+            results["chunked"][name] = sum(CHUNKED)
+    results["miscounted"] = miscounted_style("nanogpt")
     for name in [*FABRIC_STYLES, *ERRORS]:
         results["fabric"][name] = fabric_style(name)
     for name in AFTER_BUILD_STYLES:

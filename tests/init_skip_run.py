@@ -11,7 +11,9 @@ Scenarios (results in ``DIR/result.pt`` on rank 0):
 * ``resume_last``: ``fit(ckpt_path="last")``, as a requeued job relaunches: Lightning selects ``straight``'s last
   checkpoint, which the strategy learns before setup; nothing replayed.
 * ``partial``: the same with a new head the checkpoint lacks (``strict_loading=False``): only what that head needs is
-  replayed, and it equals the eager build's head.
+  replayed, and it equals the eager build's head; the draws before it are jumped over, not drawn.
+* every fresh start splits the replay between the ranks (``drawn_by_rank``: together they draw what the eager build
+  draws, each a share).
 * ``unwritten``: a load that leaves a tensor unwritten (simulated): the check after the load names it.
 * ``fabric`` / ``fabric_resume``: the same with Fabric: ``fabric.load`` right after ``fabric.setup``.
 
@@ -42,6 +44,7 @@ from toy import FULL, QUIET, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
+import lightning_shard.init.chunk_fills as chunk_fills  # noqa: E402
 import lightning_shard.init.materialize as materialize  # noqa: E402
 import lightning_shard.init.replay as replay  # noqa: E402
 from lightning_shard.checkpoint.io import ShardedCheckpointIO  # noqa: E402
@@ -95,17 +98,22 @@ class Counted(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if torch.Tag.nondeterministic_seeded in func.tags and isinstance(out, torch.Tensor):
+        # floating point: a jump over draws moves the generator with integer draws of its own
+        if torch.Tag.nondeterministic_seeded in func.tags and isinstance(out, torch.Tensor) and out.is_floating_point():
             self.drawn += out.numel()
         return out
 
 
-COUNTS = {"drawn": 0, "replayed": 0}
+COUNTS = {"drawn": 0, "replayed": 0, "sentinel": 0}
 
 
 def _count_materialisation() -> None:
-    """Count, in every materialisation, the elements drawn and the recorded ops the replay runs."""
-    initialize, run = materialize._initialize, replay.Replay.run
+    """Count, in every materialisation, the elements drawn, the recorded ops the replay runs and the elements given
+    the sentinel at allocation."""
+    initialize, run, drawn = materialize._initialize, replay.Replay.run, chunk_fills._drawn
+    fill_unset = materialize.fill_unset
+    for fill in (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default):
+        chunk_fills._ranges_hold(fill, torch.float32)  # checked once per process, now: its draws are not the model's
 
     def counted_initialize(*args: Any, **kwargs: Any) -> None:
         with Counted() as counted:
@@ -117,8 +125,19 @@ def _count_materialisation() -> None:
             COUNTS["replayed"] += 1
         run(self, op)
 
+    def counted_drawn(*args: Any) -> torch.Tensor:  # a rank's chunk of a weight filled in place (no dispatch mode)
+        out = drawn(*args)
+        COUNTS["drawn"] += out.numel()
+        return out
+
+    def counted_fill(tensor: torch.Tensor) -> torch.Tensor:
+        COUNTS["sentinel"] += tensor.numel()
+        return fill_unset(tensor)
+
     materialize._initialize = counted_initialize
+    materialize.fill_unset = counted_fill
     replay.Replay.run = counted_run
+    chunk_fills._drawn = counted_drawn
 
 
 class HeadAtStart(Callback):
@@ -131,7 +150,7 @@ class HeadAtStart(Callback):
 
 def fit(out: Path, steps: int, ckpt_path: Any = None, new_head: bool = False, **extra: Any) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
-    COUNTS.update(drawn=0, replayed=0)
+    COUNTS.update(drawn=0, replayed=0, sentinel=0)
     head = HeadAtStart()
     saver = ModelCheckpoint(dirpath=out, every_n_train_steps=SAVE_AT, save_top_k=-1, filename="{step}", save_last=True)
     trainer = L.Trainer(
@@ -145,6 +164,9 @@ def fit(out: Path, steps: int, ckpt_path: Any = None, new_head: bool = False, **
     model = Net(new_head=new_head)
     trainer.fit(model, train_dataloaders=rank_slice_loader(GLOBAL_BATCH), ckpt_path=ckpt_path)
     result = {"weights": get_model_state_dict(model, options=FULL), **COUNTS}
+    result["local_tensors"] = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    result["drawn_by_rank"] = [None] * dist.get_world_size()
+    dist.all_gather_object(result["drawn_by_rank"], COUNTS["drawn"])
     result["fused"] = trainer.optimizers[0].param_groups[0]["fused"]  # the user wrote `AdamW(params, lr=0.01)`
     if new_head:
         result["head"] = head.weight
@@ -157,6 +179,13 @@ def eager_head() -> torch.Tensor:
     model = Net(new_head=True)
     model.configure_model()
     return model.head.weight.detach().clone()
+
+
+def eager_drawn(new_head: bool) -> int:
+    """The elements the eager one-process build draws."""
+    with Counted() as counted:
+        Net(new_head=new_head).configure_model()
+    return counted.drawn
 
 
 def unwritten(out: Path, devices: int, ckpt: Path) -> str:
@@ -183,7 +212,7 @@ def fabric_run(fabric: L.Fabric, checkpoint: Path, resume: bool) -> dict[str, An
     """Fabric: ``STEPS`` steps saving at ``SAVE_AT``, or a fresh model and optimizer that ``fabric.load`` the
     checkpoint right after setup and train on to ``STEPS``."""
     L.seed_everything(0, verbose=False)
-    COUNTS.update(drawn=0, replayed=0)
+    COUNTS.update(drawn=0, replayed=0, sentinel=0)
     model = Net()
     with fabric.init_module(empty_init=True):
         model.configure_model()
@@ -224,6 +253,7 @@ def main() -> None:
     results["partial"] = fit(args.out / "partial", STEPS, ckpt, new_head=True, devices=args.devices)
     results["partial_fresh"] = fit(args.out / "partial_fresh", 1, new_head=True, devices=args.devices)
     results["eager_head"] = eager_head()
+    results["eager_drawn"] = {"plain": eager_drawn(False), "new_head": eager_drawn(True)}
     results["unwritten"] = unwritten(args.out / "unwritten", args.devices, ckpt)
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=lightning_shard.fabric.ShardedStrategy())
     fabric.launch()

@@ -57,6 +57,32 @@ def test_trainer_builds_each_style_as_eagerly(corpus: dict[str, Any], name: str)
     assert_equal_states(corpus["trainer"][name], eager_state(name))
 
 
+# Styles whose every draw is counted (`normal_`, `uniform_`): each rank replays its share and jumps over the rest
+SPLIT_STYLES = ["nanogpt", "tied_head_first", "uneven_shards", "generator_argument", "manual_seed_in_init",
+                "fork_rng_and_set_rng_state", "cast_sequential_to_bf16", "deepcopy_clones_then_xavier",
+                "copies_and_slices", "conv_kaiming_batchnorm", "litgpt_reset_parameters_overrides"]  # fmt: skip
+# Not split: a draw no count is known for (an `nn.init` function run whole, `orthogonal_`'s QR, `trunc_normal_`)
+WHOLE_STYLES = ["orthogonal_and_trunc_normal_through_nn_init", "timm_trunc_normal_imported_by_name"]
+
+
+def test_the_replay_is_split_between_the_ranks_where_every_draw_is_counted(corpus: dict[str, Any]) -> None:
+    assert all(corpus["split"][name] for name in SPLIT_STYLES)
+    assert not any(corpus["split"][name] for name in WHOLE_STYLES)
+    assert sum(corpus["split"].values()) >= 25  # of the reproducible styles, all equal to the eager build above
+
+
+def test_weights_created_and_filled_whole_are_drawn_by_each_rank_in_its_chunk(corpus: dict[str, Any]) -> None:
+    # nanoGPT: every Linear / Embedding weight (normal_), bias (zero_) and norm (fill_) - no tensor sent
+    assert corpus["chunked"]["nanogpt"] >= 10
+    # a weight computed from another (a copy, a cast, a tie made by assignment) goes through its owner's replay
+    assert corpus["chunked"]["copies_and_slices"] < corpus["chunked"]["nanogpt"]
+
+
+def test_a_miscounted_jump_is_caught_and_the_replay_runs_whole(corpus: dict[str, Any]) -> None:
+    assert corpus["miscounted"]["warned"]
+    assert_equal_states(corpus["miscounted"]["state"], eager_state("nanogpt"))
+
+
 @pytest.mark.parametrize("name", FABRIC_STYLES)
 def test_fabric_builds_styles_as_eagerly(corpus: dict[str, Any], name: str) -> None:
     torch.manual_seed(SEED)

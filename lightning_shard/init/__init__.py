@@ -24,9 +24,13 @@ Plan (at setup, after sharding, before anything is allocated):
 
 Replay (driven by the plan, on the allocated tensors):
 
-- :mod:`~lightning_shard.init.replay`: takes the planned ops and rank 0's random stream; runs them on full-size CPU
-  buffers and writes each rank its shard (:mod:`~lightning_shard.init.shard_init`); a library's init or a
-  ``reset_parameters()`` runs on full-size stand-ins (:mod:`~lightning_shard.init.full_size`).
+- :mod:`~lightning_shard.init.replay`: takes the planned ops and rank 0's random stream
+  (:mod:`~lightning_shard.init.rng_timeline`); runs them on full-size CPU buffers and writes each rank its shard
+  (:mod:`~lightning_shard.init.shard_init`); a library's init or a ``reset_parameters()`` runs on full-size stand-ins
+  (:mod:`~lightning_shard.init.full_size`). Draws whose values nothing keeps are jumped over
+  (:mod:`~lightning_shard.init.draw_counts`, :mod:`~lightning_shard.init.stream_jump`), which lets
+  :mod:`~lightning_shard.init.split_replay` give each rank a share of the tensors to replay and send the others
+  their shards.
 
 Verify (after the replay, or after the load for the tensors left to it):
 

@@ -30,10 +30,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_shard.init.construction_log import ConstructionLog, HolderKey, Op, TensorRef, held_tensor, holders
 from lightning_shard.init.full_size import FullSizeParameters
-from lightning_shard.init.init_skip import restricted_needs
+from lightning_shard.init.init_skip import ReplayScope, restricted_needs
 from lightning_shard.init.libraries import LibraryModel, LibraryStep
 from lightning_shard.init.names import class_name, joined, shown
 from lightning_shard.init.replay import Overwrite, Replay, strided, write_shards
+from lightning_shard.init.split_replay import WorkSplit
 
 
 class InitPlan:
@@ -91,11 +92,27 @@ class InitPlan:
     def leave_to_load(self, loaded: set[HolderKey]) -> None:
         """Replay only what the tensors not ``loaded`` need: a storage that the load writes whole (every tensor
         holding it) is no target (:mod:`lightning_shard.init.init_skip`)."""
-        targets = {s for s, keys in self.keys_by_storage.items() if not set(keys) <= loaded}
-        self.scope, self.draws = restricted_needs(self.ops, targets, self._draws)
+        self.targets = {s for s, keys in self.keys_by_storage.items() if not set(keys) <= loaded}
+        self.scope, self.draws = restricted_needs(self.ops, self.targets, self._draws)
         self.needed = self.scope.needed
         if self.scope.stream_until == -math.inf:  # no needed draw: the stream's position does not matter
             self.fallback = [m for m in self.fallback if not set(self.unlogged[id(m)]) <= loaded]
+
+    def written_back(self, loaded: set[HolderKey]) -> set[HolderKey]:
+        """The tensors the replay writes whole through its write-back (targets no library init sets in place), when
+        ``loaded`` are left to a load.
+
+        Example:
+            >>> plan.written_back(set())  # doctest: +SKIP
+            {(140211, '_parameters', 'weight')}
+        """
+        by_library = {storage for op in self.ops if isinstance(op, Overwrite) for storage in op.overwritten}
+        return {
+            key
+            for storage, keys in self.keys_by_storage.items()
+            if storage not in by_library and not set(keys) <= loaded
+            for key in keys
+        }
 
     def _library_init(
         self,
@@ -175,27 +192,51 @@ class InitPlan:
         return joined(self.names.get(key[0], ""), key[2])
 
     def run(self, rng: list[tuple[float, Callable[[], None]]]) -> None:
+        """Replay, ``rng`` being the random stream's timeline: split between the ranks where it can be
+        (:mod:`~lightning_shard.init.split_replay`), else whole on every rank."""
+        split = WorkSplit.of(self, rng)
+        if split is not None and split.run(rng):
+            return
+        # A split whose stream check failed found a count torch does not keep: then every draw is drawn.
+        write_back = {s: partial(self._write_back, s) for s in self.keys_by_storage}
+        self.replay_scope(rng, self.scope, self.draws, write_back, jump=split is None)
+
+    def replay_scope(
+        self,
+        rng: list[tuple[float, Callable[[], None]]],
+        scope: ReplayScope,
+        draws: Callable[[Op], bool],
+        write_back: dict[int, Callable[[torch.Tensor], None]],
+        jump: bool = True,
+    ) -> Replay:
+        """Run the ops ``scope`` keeps (drawing what ``draws`` says; ``jump``: see :class:`Replay`) with ``rng``'s
+        generator events and the fallback modules' ``reset_parameters()`` in program order; finished storages go to
+        ``write_back``."""
         self.replay = replay = Replay(
             self.ops,
-            self.needed,
-            write_back={s: partial(self._write_back, s) for s in self.keys_by_storage},
+            scope.needed,
+            write_back=write_back,
             external={s: partial(self._read_external, *holding) for s, holding in self.external.items()},
-            draws=self.draws,
+            draws=draws,
             dtypes={s: self.held[keys[0]].dtype for s, keys in self.keys_by_storage.items()},
+            jump=jump,
         )
-        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops if self.scope.runs(op)]
+        items: list[tuple[Any, Any]] = [(_order(op), op) for op in self.ops if scope.runs(op)]
         items += [((position, -1, index), action) for index, (position, action) in enumerate(rng)]
         items += [((-math.inf, self.order[id(module)], 0), module) for module in self.fallback]
         for _, item in sorted(items, key=lambda entry: entry[0]):
             if isinstance(item, (Op, Overwrite)):
                 replay.run(item)
-            elif isinstance(item, nn.Module):
+                continue
+            replay.jumped.settle()  # a reset_parameters() or a generator event reads the stream
+            if isinstance(item, nn.Module):
                 self.swap.swap_in(item)
                 item.reset_parameters()  # type: ignore[operator]
                 self.swap.mark_initialized(item)
                 self.swap.write_back(item)
             else:
                 item()
+        return replay
 
     def _write_back(self, storage: int, buffer: torch.Tensor) -> None:
         written: set[int] = set()

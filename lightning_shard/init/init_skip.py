@@ -5,15 +5,16 @@
 ``setup``, which materialises the model. Replaying the model's construction there (every random draw of the whole
 model, :mod:`lightning_shard.init.replay`) would be work the load throws away. So the strategy learns which checkpoint
 Lightning selected (:func:`resume_path_noted`, around the launch), reads which model tensors it holds from its
-metadata (:func:`checkpoint_model_names`: no tensor is read), and materialisation replays only what the other tensors
+metadata (:func:`checkpoint_tensors`: no tensor is read), and materialisation replays only what the other tensors
 need (:func:`restricted_needs`): nothing at all for a complete checkpoint; for a partial one (a new head,
 ``strict_loading=False``) the ops those tensors depend on, and the random draws up to the last of them, so they still
 equal the eager build.
 
-The safety net keeps its promise (:mod:`lightning_shard.init.unset`): the tensors left to the load keep the sentinel
-until
-the load; :func:`check_after_load` (called by the strategy after it loaded the checkpoint) names any the load did not
-write, as the check after the replay names those nothing wrote.
+The safety net keeps its promise (:mod:`lightning_shard.init.unset`): the tensors left to the load hold the sentinel
+until the load; :func:`check_after_load` (called by the strategy after it loaded the checkpoint) names any the load did
+not write, as the check after the replay names those nothing wrote. A tensor the checkpoint stores whole (its saved
+chunks tile it, :class:`StoredTensors`) is written whole or not at all by the load, so its sentinel goes into its first
+and last elements only: a resume touches no memory that the load then writes again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint.layout import LAYOUT_KEY, TRAINER_LAYOUT, StateLayout
 from lightning_shard.checkpoint.ranks import broadcast_object, rank
@@ -42,9 +44,25 @@ from lightning_shard.torch_compat.modules import visible_name
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# The state-dict names of the model tensors that a load right after this setup writes (set around the strategy's
-# sharding; empty: none).
-_LOADED_AFTER_SETUP: ContextVar[frozenset[str]] = ContextVar("loaded_after_setup", default=frozenset())
+
+@dataclass(frozen=True)
+class StoredTensors:
+    """The model tensors a checkpoint holds (state-dict ``names``), and those of them it stores ``whole``: every
+    element saved (a sharded checkpoint's chunks tile the tensor; a file holds it whole), so that a load writes all of
+    each rank's shard or fails.
+
+    Example:
+        >>> StoredTensors(frozenset({"weight", "bias"}), frozenset({"weight"})).whole
+        frozenset({'weight'})
+    """
+
+    names: frozenset[str] = frozenset()
+    whole: frozenset[str] = frozenset()
+
+
+# The model tensors that a load right after this setup writes (set around the strategy's sharding; none outside).
+_NOTHING_STORED = StoredTensors()
+_LOADED_AFTER_SETUP: ContextVar[StoredTensors] = ContextVar("loaded_after_setup", default=_NOTHING_STORED)
 # The checkpoint Lightning selected for each running Trainer (see `resume_path_noted`).
 _SELECTED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 # On the model: the check of the tensors left to a load (`check_after_load`).
@@ -87,63 +105,73 @@ def selected_checkpoint(trainer: pl.Trainer) -> Any:
     return _SELECTED.get(trainer)
 
 
-def trainer_checkpoint_names(trainer: pl.Trainer, averaging: bool) -> frozenset[str]:
-    """The model tensors (state-dict names) the checkpoint selected for this run holds, which Lightning loads right
-    after setup; empty when none is selected, when its contents cannot be told without reading it, or when
-    ``averaging`` (a weight-averaging callback copies the model before the load) and it holds no averaged copy.
+def trainer_checkpoint_tensors(trainer: pl.Trainer, averaging: bool) -> StoredTensors:
+    """The model tensors the checkpoint selected for this run holds, which Lightning loads right after setup; none
+    when none is selected, when its contents cannot be told without reading it, or when ``averaging`` (a
+    weight-averaging callback copies the model before the load) and it holds no averaged copy.
 
     Example:
-        >>> trainer_checkpoint_names(trainer, averaging=False)  # doctest: +SKIP
+        >>> trainer_checkpoint_tensors(trainer, averaging=False).names  # doctest: +SKIP
         frozenset({'model.weight', 'model.bias'})
     """
     path = selected_checkpoint(trainer)
-    return checkpoint_model_names(path, averaged=averaging) if path else frozenset()
+    return checkpoint_tensors(path, averaged=averaging) if path else _NOTHING_STORED
 
 
-def checkpoint_model_names(path: Any, averaged: bool = False, raw: bool = False) -> frozenset[str]:
-    """The names of the model tensors a checkpoint of this package holds (under the model key of the layout it
-    recorded; ``raw``: a file holding only a state dict), read by rank 0 from its metadata (a sharded directory's
-    ``.metadata``; a file's pickle, its tensors memory-mapped: none is read) and broadcast. Empty when it cannot be
-    told (then nothing is skipped, and the load itself reports what is wrong) or, with ``averaged``, when the
-    checkpoint holds no averaged copy.
+def checkpoint_tensors(path: Any, averaged: bool = False, raw: bool = False) -> StoredTensors:
+    """The model tensors a checkpoint of this package holds (under the model key of the layout it recorded; ``raw``:
+    a file holding only a state dict), read by rank 0 from its metadata (a sharded directory's ``.metadata``; a
+    file's pickle, its tensors memory-mapped: none is read) and broadcast. None when it cannot be told (then nothing
+    is skipped, and the load itself reports what is wrong) or, with ``averaged``, when the checkpoint holds no
+    averaged copy.
 
     Example:
-        >>> checkpoint_model_names("missing.ckpt")
-        frozenset()
+        >>> checkpoint_tensors("missing.ckpt")
+        StoredTensors(names=frozenset(), whole=frozenset())
     """
-    return broadcast_object(_names_here(Path(path), averaged, raw) if rank() == 0 else None)
+    return broadcast_object(_stored_here(Path(path), averaged, raw) if rank() == 0 else None)
 
 
-def _names_here(path: Path, averaged: bool, raw: bool) -> frozenset[str]:
+def _stored_here(path: Path, averaged: bool, raw: bool) -> StoredTensors:
     try:
         if path.is_dir():
             metadata = FileSystemReader(path).read_metadata()
             layout = recorded_layout(path, metadata)
             prefix = f"{layout.model}."
             keys = metadata.state_dict_metadata
-            names = {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+            stored = {key[len(prefix) :]: entry for key, entry in keys.items() if key.startswith(prefix)}
+            whole = {name for name, entry in stored.items() if _tiled(entry)}
             top = {key.split(".", 1)[0] for key in keys}
         else:
             checkpoint = torch.load(path, mmap=True, weights_only=False, map_location="cpu")
-            if raw:
-                return frozenset(checkpoint)
-            layout = StateLayout.from_record(checkpoint[LAYOUT_KEY]) if LAYOUT_KEY in checkpoint else TRAINER_LAYOUT
-            names, top = set(checkpoint.get(layout.model, {})), set(checkpoint)
+            if not raw:
+                layout = StateLayout.from_record(checkpoint[LAYOUT_KEY]) if LAYOUT_KEY in checkpoint else TRAINER_LAYOUT
+                top, checkpoint = set(checkpoint), checkpoint.get(layout.model, {})
+            stored = checkpoint
+            whole = {name for name, value in stored.items() if isinstance(value, torch.Tensor)}
     except (Exception, CheckpointException):  # unreadable here (a damaged file too): the load names the problem
-        return frozenset()
-    if averaged and not top & set(layout.averaged):
-        return frozenset()
-    return frozenset(names)
+        return StoredTensors()
+    if not raw and averaged and not top & set(layout.averaged):
+        return StoredTensors()
+    return StoredTensors(frozenset(stored), frozenset(whole))
 
 
-def loaded_after_setup(names: frozenset[str]) -> AbstractContextManager[None]:
-    """Inside, materialisation leaves the model tensors named ``names`` (state-dict names) to a load that follows.
+def _tiled(entry: Any) -> bool:
+    """Whether a sharded checkpoint's entry is a tensor whose saved chunks hold each of its elements: they are saved
+    without overlap (replicated chunks once), so their volumes add up to the tensor's exactly when they tile it."""
+    if not isinstance(entry, TensorStorageMetadata):
+        return False
+    return sum(math.prod(chunk.sizes) for chunk in entry.chunks) == math.prod(entry.size)
+
+
+def loaded_after_setup(stored: StoredTensors) -> AbstractContextManager[None]:
+    """Inside, materialisation leaves the model tensors ``stored`` holds to a load that follows.
 
     Example:
-        >>> with loaded_after_setup(frozenset({"weight"})):  # doctest: +SKIP
+        >>> with loaded_after_setup(StoredTensors(frozenset({"weight"}))):  # doctest: +SKIP
         ...     strategy._shard_module(model, precision, 1)
     """
-    return _set_inside(_LOADED_AFTER_SETUP, names)
+    return _set_inside(_LOADED_AFTER_SETUP, stored)
 
 
 @contextmanager
@@ -173,14 +201,16 @@ def keys_of(root: nn.Module, names: frozenset[str]) -> set[HolderKey]:
     }
 
 
-def loaded_keys(root: nn.Module) -> set[HolderKey]:
-    """The tensors of ``root`` that the load following this setup writes (:func:`loaded_after_setup`; none outside).
+def loaded_keys(root: nn.Module) -> tuple[set[HolderKey], set[HolderKey]]:
+    """The tensors of ``root`` that the load following this setup writes (:func:`loaded_after_setup`; none outside),
+    and those of them it writes whole.
 
     Example:
         >>> loaded_keys(nn.Linear(2, 2))
-        set()
+        (set(), set())
     """
-    return keys_of(root, _LOADED_AFTER_SETUP.get())
+    stored = _LOADED_AFTER_SETUP.get()
+    return keys_of(root, stored.names), keys_of(root, stored.whole)
 
 
 @dataclass

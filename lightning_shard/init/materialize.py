@@ -45,6 +45,7 @@ from lightning_shard.init.construction_log import (
     HolderKey,
     construction_logs,
     forget_construction,
+    held_tensor,
     holders,
 )
 from lightning_shard.init.init_plan import InitPlan
@@ -52,11 +53,11 @@ from lightning_shard.init.init_skip import defer_check, loaded_keys
 from lightning_shard.init.libraries import LIBRARIES
 from lightning_shard.init.meta_window import end_meta_window, meta_window
 from lightning_shard.init.names import joined
-from lightning_shard.init.replay import callers_random_state_kept, rng_timeline
+from lightning_shard.init.rng_timeline import callers_random_state_kept, rng_timeline
 from lightning_shard.init.shard_init import local
 from lightning_shard.init.skipped_draws import SKIPPED
 from lightning_shard.init.ties import find_ties, retie
-from lightning_shard.init.unset import fill_unset, uninitialized_memory_filled
+from lightning_shard.init.unset import edges, fill_unset, uninitialized_memory_filled
 from lightning_shard.init.verify import refuse_unwritten
 from lightning_shard.torch_compat.fsdp import reregister_sharded_parameters
 
@@ -115,7 +116,14 @@ def materialize_sharded_module(
     libraries = [model for library in LIBRARIES for model in library.claim(root, logs)]
     plan = InitPlan(root, logs, libraries)
     ties = find_ties(root)
-    allocated = _allocate_meta_tensors(root, device, buffer_device or device)
+    # A checkpoint load follows (the Trainer's restore): what it writes is not replayed.
+    loaded, loaded_whole = loaded_keys(root)
+    # What the replay writes whole needs no sentinel first; one it leaves unwritten gets it afterwards (_initialize).
+    # What the load writes whole or not at all needs it only at its edges: no memory is touched twice.
+    written = plan.written_back(loaded)
+    unfilled = {id(held_tensor(plan.modules, key)) for key in written}
+    at_edges = {id(held_tensor(plan.modules, key)) for key in loaded_whole}
+    allocated = _allocate_meta_tensors(root, device, buffer_device or device, unfilled, at_edges)
     retie(root, ties)  # a plain parameter reallocated module by module is a new object in each holder
     for module in root.modules():
         if isinstance(module, FSDPModule):
@@ -123,8 +131,7 @@ def materialize_sharded_module(
     # The caller's stream as the eager build leaves it, now (not when a deferred replay runs: draws made after setup
     # must see it), also when a load makes the replay unnecessary.
     SKIPPED.pay(skip=plan.undrawn())
-    # A checkpoint load follows (the Trainer's restore): what it writes is not replayed.
-    _initialize(root, plan, logs, allocated, loaded_keys(root))
+    _initialize(root, plan, logs, allocated, (loaded, loaded_whole), written)
 
 
 def _initialize(
@@ -132,41 +139,68 @@ def _initialize(
     plan: InitPlan,
     logs: list[ConstructionLog],
     allocated: list[tuple[str, nn.Module, str, str]],
-    loaded: set[HolderKey],
+    loads: tuple[set[HolderKey], set[HolderKey]],
+    written: set[HolderKey],
 ) -> None:
-    """Replay what the tensors not ``loaded`` need, check them, and leave the check of the others to the load."""
-    unloaded = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) not in loaded]
+    """Replay what the tensors not loaded need, check them, and leave the check of the others to the load (``loads``:
+    the tensors it writes, and those of them it writes whole); ``written``: the tensors allocated without the
+    sentinel, for the replay to write."""
+    loaded, loaded_whole = loads
+    unloaded = [entry for entry in allocated if _holder(entry) not in loaded]
     plan.leave_to_load(loaded)
     with torch.no_grad(), callers_random_state_kept(), uninitialized_memory_filled():
         plan.run(rng_timeline(logs))
-    left_to_load = [entry for entry in allocated if (id(entry[1]), entry[2], entry[3]) in loaded]
+    for _, module, table, name in unloaded:
+        live = module.__dict__[table][name]
+        if (id(module), table, name) in written and id(live) not in plan.replayed:
+            fill_unset(local(live))  # nothing wrote it: the check below names it
+    left_to_load = [entry for entry in allocated if _holder(entry) in loaded]
     refuse_unwritten(unloaded, plan.replayed)
     if left_to_load:
-        defer_check(root, partial(refuse_unwritten, left_to_load, {}, by_load=True))
+        at_edges = frozenset(entry[0] for entry in left_to_load if _holder(entry) in loaded_whole)
+        defer_check(root, partial(refuse_unwritten, left_to_load, {}, by_load=True, at_edges=at_edges))
     forget_construction(root)
 
 
+def _holder(entry: tuple[str, nn.Module, str, str]) -> HolderKey:
+    """The key of an allocated tensor (``(name, module, table, name in module)``) as the plan and the load name it."""
+    _, module, table, name = entry
+    return id(module), table, name
+
+
 def _allocate_meta_tensors(
-    root: nn.Module, device: torch.device, buffer_device: torch.device
+    root: nn.Module, device: torch.device, buffer_device: torch.device, unfilled: set[int], at_edges: set[int]
 ) -> list[tuple[str, nn.Module, str, str]]:
-    """Give each meta parameter (on ``device``) and buffer (on ``buffer_device``) memory holding the sentinel; return
-    ``(name, module, table, name in module)`` of each. Per module, not ``root.to_empty()``: tensors built for real (a
-    head built in ``__init__``, torchmetrics states) keep their values."""
+    """Give each meta parameter (on ``device``) and buffer (on ``buffer_device``) memory holding the sentinel (none
+    for those in ``unfilled``, at their edges for those in ``at_edges``, by id); return ``(name, module, table, name
+    in module)`` of each. Per module, not ``root.to_empty()``: tensors built for real (a head built in ``__init__``,
+    torchmetrics states) keep their values."""
     allocated = []
     for prefix, module in root.named_modules():
         meta = [(table, name) for (_, table, name), tensor in holders(module) if tensor.is_meta]
         if meta:
             params = {id(p) for p in module._parameters.values() if p is not None}
-            module._apply(partial(_allocate, params=params, device=device, buffer_device=buffer_device), recurse=False)
+            allocate = partial(
+                _allocate, params=params, devices=(device, buffer_device), unfilled=unfilled, at_edges=at_edges
+            )
+            module._apply(allocate, recurse=False)
             allocated += [(joined(prefix, name), module, table, name) for table, name in meta]
     return allocated
 
 
 def _allocate(
-    tensor: torch.Tensor, params: set[int], device: torch.device, buffer_device: torch.device
+    tensor: torch.Tensor,
+    params: set[int],
+    devices: tuple[torch.device, torch.device],
+    unfilled: set[int],
+    at_edges: set[int],
 ) -> torch.Tensor:
     if not tensor.is_meta:
         return tensor
-    new = torch.empty_like(tensor, device=device if id(tensor) in params else buffer_device)
-    fill_unset(local(new))
+    new = torch.empty_like(tensor, device=devices[0] if id(tensor) in params else devices[1])
+    if id(tensor) in at_edges:
+        for edge in edges(local(new)):
+            fill_unset(edge)
+    elif id(tensor) not in unfilled:
+        fill_unset(local(new))
     return new

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -73,6 +74,10 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.suspended:
             return func(*args, **kwargs)
+        with python_calls_unwatched():
+            return self._record(func, args, kwargs)
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         self.rng.check()
         if self.owes_draws and draws_random_numbers(func) and not any(t.is_meta for t in _tensors((args, kwargs))):
             self.settle(generator_of((args, kwargs)))  # a real draw: from where an eager build's stream stands
@@ -241,6 +246,22 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     tree_map(lambda value: found.append(value) if isinstance(value, torch.Tensor) else None, tree)
     return found
+
+
+@contextmanager
+def python_calls_unwatched() -> Iterator[None]:
+    """Inside, the Python calls of this thread reach no :class:`~lightning_shard.init.python_calls.PythonCalls` hook
+    (a profiler it chains to still sees them): recording an op and running it on meta tensors makes thousands of calls
+    (pytree, torch's meta kernels in Python), none of which the hook looks for, and each of which it would cost."""
+    hook = sys.getprofile()
+    if not getattr(hook, "watches_python_calls", False):
+        yield
+        return
+    sys.setprofile(hook.previous)
+    try:
+        yield
+    finally:
+        sys.setprofile(hook)
 
 
 def modules_under_construction() -> tuple[nn.Module, ...]:

@@ -44,6 +44,8 @@ class PythonCalls:
     whole and of ``get_rng_state`` / ``set_rng_state`` by their code objects, so that any name bound to them counts
     (``from torch.nn.init import trunc_normal_`` before recording, as timm-style code does)."""
 
+    watches_python_calls = True  # what :func:`~lightning_shard.init.op_recorder.python_calls_unwatched` looks for
+
     def __init__(self, log: ConstructionLog, recorder: OpRecorder, rng: GeneratorWatch) -> None:
         self.log, self.recorder, self.rng = log, recorder, rng
         self.whole = {

@@ -1,39 +1,39 @@
 """Replaying a recorded construction (:mod:`lightning_shard.init.construction_log`) on real tensors, in program order.
 
 Everything runs on the CPU from the CPU generator, whatever device the model trains on: the random ops of an eager
-build on the CPU draw from that generator, and a CUDA generator draws other numbers from the same seed. Each rank
-replays from rank 0's stream (the eager build is one process), on full-size tensors, and keeps its shards; the
-caller's own random state, per rank, is put back afterwards.
+build on the CPU draw from that generator, and a CUDA generator draws other numbers from the same seed. The replay
+draws from rank 0's stream (the eager build is one process; :mod:`lightning_shard.init.rng_timeline`), on full-size
+tensors, and the ranks keep their shards: each rank replays the tensors it owns and receives the others' shards where
+the work is split (:mod:`lightning_shard.init.split_replay`), else every rank replays all of them.
 
 Memory: a storage gets a full-size buffer (its bytes, on the CPU) at the first op the weights depend on that touches it,
 and is written back to the live tensors (each rank its shard) and dropped after the last one. Ops the weights do not
-depend on (an init that a later one overwrites whole) are skipped, but their random draws still run into scratch
-tensors of the same layout, so that the stream advances as in an eager build. So only the tensors under
-initialisation at one point of the construction exist whole, even when a constructor re-initialises its children at
-its end.
+depend on (an init that a later one overwrites whole, another rank's tensors) are skipped, but the stream must advance
+past their draws as in an eager build: a draw whose count is known is jumped over
+(:mod:`lightning_shard.init.draw_counts`), any other is drawn into scratch tensors of the same layout. So only the
+tensors under initialisation at one point of the construction exist whole, even when a constructor re-initialises its
+children at its end.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.init.construction_log import ConstructionLog, Op, RngEvent, Scratch, TensorRef
+from lightning_shard.init.construction_log import Op, Scratch, TensorRef
+from lightning_shard.init.draw_counts import JumpedDraws, draws_elsewhere
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
-from lightning_shard.init.rng_watch import state_bytes
 from lightning_shard.init.shard_init import host_shard
-from lightning_shard.init.unset import allocates_unwritten, empty_bytes, fill_twice
+from lightning_shard.init.unset import allocates_unwritten, empty_bytes, fill_twice, fill_unset
 from lightning_shard.torch_compat.dispatch import holds_values, tree_leaves, tree_map
 
 _CPU = torch.device("cpu")
+# Finished full-size buffers kept for reuse (`Replay.recycle`), at most this many bytes.
+SPARE_BYTES = 1 << 30
 
 
 def strided(buffer: torch.Tensor, ref: TensorRef) -> torch.Tensor:
@@ -109,13 +109,16 @@ class Replay:
         ops: every recorded op that the replay runs or draws for, and the library inits, in program order.
         needed: ``seq`` of the ops whose results are kept (:func:`needed_ops`).
         write_back: ``storage -> action`` storing a finished storage's full-size buffer into the live tensors
-            (called for the storages that needed ops wrote).
+            (called for the storages that needed ops wrote); it returns whether it keeps the buffer (else the buffer
+            is reused, :meth:`recycle`).
         external: ``storage -> action`` filling a new buffer with the storage's current value, for storages whose
             values come from outside the replay (a library's init, a module's ``reset_parameters()``): called when a
             needed op first reads them.
         draws: whether an op's random draws advance the stream (not for a library's constructors that an eager load
             does not run).
         dtypes: ``storage -> dtype`` of the sentinel its buffer starts with (default: the dtype an op first saw).
+        jump: jump over the counted draws whose values nothing keeps (:mod:`~lightning_shard.init.draw_counts`);
+            ``False``: draw them all.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class Replay:
         external: dict[int, Callable[[torch.Tensor], None]],
         draws: Callable[[Op], bool],
         dtypes: dict[int, torch.dtype],
+        jump: bool = True,
     ) -> None:
         self.needed, self.write_back, self.external, self.draws = needed, write_back, external, draws
         self.dtypes = dict(dtypes)
@@ -135,6 +139,12 @@ class Replay:
         # storage -> its buffer run from the second fill, while unwritten memory may be in it (`unset`)
         self.second: dict[int, torch.Tensor] = {}
         self.unwritten: set[int] = set()  # storages finished with elements that depend on unwritten memory
+        self.jumped = JumpedDraws(counting=jump)  # the default generator's draws whose values nothing keeps
+        self.spare: dict[int, list[torch.Tensor]] = {}  # finished buffers by size (`recycle`)
+        self.spare_bytes = 0
+        # (position, the generator's state) before the first needed draw and after the last (split_replay's check)
+        self.first_draw: tuple[float, torch.Tensor] | None = None
+        self.last_draw: tuple[float, torch.Tensor] | None = None
         self.closes: dict[int, list[int]] = {}  # op seq -> storages last used by it
         last: dict[int, int] = {}
         for op in ops:
@@ -153,14 +163,16 @@ class Replay:
 
     def run(self, op: Op | Overwrite) -> None:
         if isinstance(op, Overwrite):
+            self.jumped.settle()
             op.action()
             for storage in op.overwritten:  # what the replay held for them is stale: read again from the live tensors
                 self.buffers.pop(storage, None)
                 self.written.discard(storage)
             return
         if op.seq in self.needed:
+            self.jumped.settle()
             for storage in op.overwritten:
-                self._buffer(storage, fresh=True)
+                self._buffer(storage, fresh=True, whole=_spans(op, storage, self.nbytes[storage]))
             # Run twice where unwritten memory flows in (module docstring of `unset`): the same draws, each on its fill.
             dual = bool(op.read_storages & self.second.keys())
             if dual:
@@ -168,23 +180,23 @@ class Replay:
                     self.second[storage] = self.buffers[storage].clone()
             state = torch.get_rng_state()
             self._run_on(op, self.buffers)
+            after = torch.get_rng_state()
             if dual:
-                torch_state_after = torch.get_rng_state()
                 torch.set_rng_state(state)
                 self._run_on(op, {**self.buffers, **self.second}, into=self.second)
-                torch.set_rng_state(torch_state_after)
+                torch.set_rng_state(after)
             else:
                 for storage in op.overwritten:
                     self.second.pop(storage, None)
+            if op.random and not draws_elsewhere(op):
+                self.first_draw = self.first_draw or (op.seq, state)
+                self.last_draw = (op.seq, after)
             if allocates_unwritten(op.func):
                 for ref in filter(None, op.outputs):
                     self.second[ref.storage] = fill_twice(self.buffers[ref.storage])
             self.written |= op.written_storages
         elif op.random and self.draws(op):
-            # Only the draw: what it writes goes to scratch, what it reads is real.
-            writes = op.written_storages
-            args, kwargs = tree_map(lambda value: self._real(value, scratch=writes), (op.args, op.kwargs))
-            op.func(*args, **kwargs)
+            self._draw_only(op)
         else:
             return
         for storage in self.closes.get(op.seq, []):
@@ -192,8 +204,21 @@ class Replay:
             second = self.second.pop(storage, None)
             if second is not None and not torch.equal(buffer, second):
                 self.unwritten.add(storage)
-            if storage in self.written and storage in self.write_back:
-                self.write_back[storage](buffer)
+            kept = storage in self.written and storage in self.write_back and self.write_back[storage](buffer)
+            if not kept:
+                self.recycle(buffer)
+
+    def _draw_only(self, op: Op) -> None:
+        """Move the stream past ``op``'s draw, whose values nothing keeps: jumped over where its count is known
+        (:mod:`~lightning_shard.init.draw_counts`), else drawn into scratch (what it reads is real)."""
+        if draws_elsewhere(op):
+            return  # from a copy of its own generator, thrown away: nothing changes
+        self.jumped.past(op, lambda: self._draw_into_scratch(op))
+
+    def _draw_into_scratch(self, op: Op) -> None:
+        writes = op.written_storages
+        args, kwargs = tree_map(lambda value: self._real(value, scratch=writes), (op.args, op.kwargs))
+        op.func(*args, **kwargs)
 
     def _run_on(self, op: Op, buffers: dict[int, torch.Tensor], into: dict[int, torch.Tensor] | None = None) -> None:
         """Run ``op`` on the storages' ``buffers`` (the first fill's, or the second's where they differ); its new
@@ -207,14 +232,31 @@ class Replay:
                 )
                 strided(target, ref).copy_(leaf)
 
-    def _buffer(self, storage: int, fresh: bool) -> torch.Tensor:
+    def _buffer(self, storage: int, fresh: bool, whole: bool = False) -> torch.Tensor:
+        """``storage``'s buffer, new ones holding the sentinel; ``whole``: the op about to run sets every byte of it,
+        so no sentinel is written first."""
         buffer = self.buffers.get(storage)
         if buffer is None:
-            buffer = empty_bytes(self.nbytes[storage], self.dtypes[storage])
+            nbytes = self.nbytes[storage]
+            spare = self.spare.get(nbytes)
+            if spare:
+                self.spare_bytes -= nbytes
+                buffer = spare.pop() if whole else fill_unset(spare.pop().view(self.dtypes[storage])).view(torch.uint8)
+            elif whole:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=_CPU)
+            else:
+                buffer = empty_bytes(nbytes, self.dtypes[storage])
             if not fresh and storage in self.external:
                 self.external[storage](buffer)
             self.buffers[storage] = buffer
         return buffer
+
+    def recycle(self, buffer: torch.Tensor) -> None:
+        """Keep a finished buffer for a later storage of its size (a model repeats its blocks' shapes): its memory is
+        already mapped, where a new one is faulted in page by page; at most :data:`SPARE_BYTES` are kept."""
+        if self.spare_bytes + buffer.numel() <= SPARE_BYTES:
+            self.spare.setdefault(buffer.numel(), []).append(buffer)
+            self.spare_bytes += buffer.numel()
 
     def _real(
         self,
@@ -239,6 +281,11 @@ class Replay:
         if isinstance(value, torch.device) and value.type == "meta":
             return _CPU
         return value
+
+
+def _spans(op: Op, storage: int, nbytes: int) -> bool:
+    """Whether ``op``, which sets ``storage`` whole, sees it at its full size ``nbytes`` (not before a resize)."""
+    return any(ref.storage == storage and ref.nbytes == nbytes for ref in op.refs())
 
 
 def _real_value(value: RealValue) -> torch.Tensor:
@@ -268,92 +315,3 @@ def write_shards(full: torch.Tensor, live: torch.Tensor) -> None:
         live.to_local().copy_(host_shard(full, live))  # only the shard crosses to the device (shard_init)
     else:
         live.copy_(full)
-
-
-# ------------------------------------------------------------------------------------------------ the random stream
-
-
-def rng_timeline(logs: list[ConstructionLog]) -> list[tuple[float, Callable[[], None]]]:
-    """``(position, action)`` for each change of the CPU generator's state to replay: rank 0's state where the first
-    recording started (before everything; without a recording, rank 0's state now), each recorded event, and the state
-    at the start of a later recording when something outside the recordings changed it. Call on every rank: rank 0's
-    states are broadcast.
-
-    Example:
-        >>> [position for position, _ in rng_timeline([])]
-        [-inf]
-    """
-    logs = sorted(logs, key=_first_seq)
-    starts = [log.rng_start for log in logs] if logs else [torch.get_rng_state()]
-    states = _from_rank_zero(
-        starts
-        + [log.rng_end for log in logs]
-        + [event.value for log in logs for event in _replayed_events(log) if event.action == "set"]
-    )
-    timeline: list[tuple[float, Callable[[], None]]] = [(-float("inf"), _set_state(states[0]))]
-    ends, sets = states[len(starts) : len(starts) + len(logs)], iter(states[len(starts) + len(logs) :])
-    slots: dict[int, torch.Tensor] = {}
-    for index, log in enumerate(logs):
-        if index and state_bytes(states[index]) != state_bytes(ends[index - 1]):
-            timeline.append((_first_seq(log) - 0.5, _set_state(states[index])))
-        for event in _replayed_events(log):
-            timeline.append((event.seq, _event_action(event, next(sets) if event.action == "set" else None, slots)))
-    return timeline
-
-
-def _replayed_events(log: ConstructionLog) -> list[RngEvent]:
-    """``log``'s generator events up to its last recorded op: later ones change no replayed value. The recording lasts
-    until setup, so code between the build and setup that only one rank runs (rank 0 writing starting weights under
-    ``fork_rng``) adds events on that rank alone."""
-    last_op = max((op.seq for op in log.ops), default=-float("inf"))
-    return [event for event in log.rng_events if event.seq < last_op]
-
-
-def _event_action(event: RngEvent, state: torch.Tensor | None, slots: dict[int, torch.Tensor]) -> Callable[[], None]:
-    if event.action == "set":
-        assert state is not None
-        return _set_state(state)
-    if event.action == "save":
-        return lambda: slots.__setitem__(event.value, torch.get_rng_state())
-    return lambda: torch.set_rng_state(slots[event.value])
-
-
-def _set_state(state: torch.Tensor) -> Callable[[], None]:
-    return lambda: torch.set_rng_state(state)
-
-
-def _first_seq(log: ConstructionLog) -> float:
-    return min(
-        (entry.seq for entry in itertools.chain(log.ops, log.rng_events, log.registrations)), default=float("inf")
-    )
-
-
-def _from_rank_zero(states: list[Any]) -> list[Any]:
-    if not _distributed_is_initialized() or dist.get_world_size() == 1:
-        return states
-    received: list[Any] = [states]
-    dist.broadcast_object_list(received, src=0)
-    if len(received[0]) != len(states):
-        raise RuntimeError(
-            "The model's construction changed the random generator's state a different number of times on this rank "
-            "than on rank 0: the ranks built different models. Build the same model on every rank."
-        )
-    return received[0]
-
-
-@contextmanager
-def callers_random_state_kept() -> Iterator[None]:
-    """Put this rank's own random states (CPU, and CUDA where initialised) back after the replay drew from rank 0's.
-
-    Example:
-        >>> with callers_random_state_kept():
-        ...     _ = torch.manual_seed(0)
-    """
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)

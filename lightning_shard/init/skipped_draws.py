@@ -8,18 +8,21 @@ tensors of the same layout: the values are never used) when the generator's stat
 from it or a read of its state while recording, and at the end of materialisation. Setting the generator's state
 (``manual_seed``, ``set_rng_state``) forgives its debt, as it would make the eager stream forget those draws.
 
-This is the second pass over the draws: it costs as much drawing as the replay (measured in
-``benchmarks/init_rule.py``).
+A draw whose count torch's kernel fixes (:mod:`lightning_shard.init.draw_counts`: ``normal_``, ``uniform_``) is not
+drawn again: the generator jumps past it (:mod:`lightning_shard.init.stream_jump`), so paying a whole model's draws
+costs one jump, not a second pass over them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 
 from lightning_shard.init.construction_log import Scratch, TensorRef
+from lightning_shard.init.draw_counts import JumpedDraws
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.torch_compat.dispatch import tree_map
 
@@ -52,9 +55,11 @@ class SkippedDraws:
         with torch.no_grad():
             for key in keys:
                 owner, ops = self.pending.pop(key, (None, []))
+                jumped = JumpedDraws(owner)
                 for op in ops:
                     if op.seq not in skipped:
-                        _draw(op, owner)
+                        jumped.past(op, partial(_draw, op, owner))
+                jumped.settle()
 
 
 SKIPPED = SkippedDraws()

@@ -102,6 +102,22 @@ def fill_unset(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def edges(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the first and the last element of ``tensor`` where it is contiguous (the whole of it otherwise): where a
+    tensor that is written whole or not at all (a load of a tensor the checkpoint stores whole) gets its sentinel and
+    has it checked, without touching the rest of its memory.
+
+    Example:
+        >>> weight = torch.zeros(2, 3); [fill_unset(edge) for edge in edges(weight)]; holds_unset(weight[0, 1:2])
+        [tensor([nan]), tensor([nan])]
+        False
+    """
+    if not tensor.is_contiguous() or tensor.numel() <= 2:
+        return [tensor]
+    flat = tensor.view(-1)
+    return [flat[:1], flat[-1:]]
+
+
 def empty_bytes(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     """``nbytes`` of CPU memory as ``uint8``, holding ``dtype``'s sentinel (a replay buffer for a storage).
 

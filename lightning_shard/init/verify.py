@@ -16,28 +16,35 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
 
 from lightning_shard.init.names import shown
 from lightning_shard.init.shard_init import local
-from lightning_shard.init.unset import holds_unset
+from lightning_shard.init.unset import edges, holds_unset
 from lightning_shard.torch_compat.dispatch import holds_values
 
 
 def refuse_unwritten(
-    allocated: list[tuple[str, nn.Module, str, str]], replayed: dict[int, bool], by_load: bool = False
+    allocated: list[tuple[str, nn.Module, str, str]],
+    replayed: dict[int, bool],
+    by_load: bool = False,
+    at_edges: frozenset[str] = frozenset(),
 ) -> None:
     """The safety net (:mod:`lightning_shard.init.unset`): a tensor the replay found depending on unwritten memory
     (``replayed``: id of each live tensor it wrote -> whether every element was written), or one that something else
-    initialised and that still holds the sentinel, was written by nothing. Every rank checks its shards, then all raise
-    the same error. Fake tensors (the memory simulation) have no values to check."""
+    initialised and that still holds the sentinel, was written by nothing. Those named in ``at_edges`` hold it in
+    their first and last elements only (:func:`~lightning_shard.init.unset.edges`). Every rank checks its shards, then
+    all raise the same error. Fake tensors (the memory simulation) have no values to check."""
     live = [(name, module.__dict__[table][key]) for name, module, table, key in allocated]
     tensors = [(name, local(tensor), replayed.get(id(tensor))) for name, tensor in live]
     if not any(holds_values(tensor) for _, tensor, _ in tensors):
         return
-    unset = [name for name, tensor, full in tensors if full is False or (full is None and holds_unset(tensor))]
+    unset = [
+        name for name, tensor, full in tensors if full is False or (full is None and _unset(name, tensor, at_edges))
+    ]
     if _distributed_is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, unset)
@@ -55,3 +62,7 @@ def refuse_unwritten(
             "Initialise them in their module's constructor (`nn.init.*`, or call `self.reset_parameters()` there), "
             "or build the model in `__init__`."
         )
+
+
+def _unset(name: str, tensor: torch.Tensor, at_edges: frozenset[str]) -> bool:
+    return any(holds_unset(part) for part in edges(tensor)) if name in at_edges else holds_unset(tensor)

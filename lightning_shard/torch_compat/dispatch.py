@@ -8,14 +8,54 @@ Takes ops, modes and tensors as a ``TorchDispatchMode`` sees them; gives what th
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
-from torch.utils._pytree import tree_leaves, tree_map  # noqa: F401  (re-exported)
+from torch.utils import _pytree
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,  # noqa: F401  (re-exported)
+    _disable_current_modes,
+)
 
 # The type of `torch.ops.aten.mm.default`: the selective-checkpointing policy's op names resolve to it.
 OpOverload = torch._ops.OpOverload
+
+# Leaves an op's arguments hold that are no containers: mapped without asking pytree, whose type checks cost more than
+# the rest of recording an op (torch 2.13: an isinstance against every opaque type for each leaf).
+_LEAF_TYPES = frozenset({int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+                         torch.memory_format})  # fmt: skip
+
+
+def tree_map(fn: Any, tree: Any) -> Any:
+    """``torch.utils._pytree.tree_map``, with plain tuples, lists and dicts (what ATen ops take and return) and their
+    common leaves walked here; any other type goes to pytree, so the result is the same.
+
+    Example:
+        >>> tree_map(lambda x: x * 2, ((1, [2]), {"a": 3}))
+        ((2, [4]), {'a': 6})
+    """
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return kind(tree_map(fn, value) for value in tree)
+    if kind is dict:
+        return {key: tree_map(fn, value) for key, value in tree.items()}
+    if kind in _LEAF_TYPES or isinstance(tree, torch.Tensor):
+        return fn(tree)
+    return _pytree.tree_map(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """``torch.utils._pytree.tree_leaves``, walked as :func:`tree_map` walks.
+
+    Example:
+        >>> tree_leaves(((1, [2]), {"a": None}))
+        [1, 2, None]
+    """
+    leaves: list[Any] = []
+    tree_map(leaves.append, tree)
+    return leaves
 
 
 def op_arguments(op: Any) -> list[Any]:
@@ -94,3 +134,19 @@ def holds_values(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake  # imported by torch itself
 
     return not is_fake(tensor)
+
+
+@contextmanager
+def real_cpu_tensors() -> Iterator[None]:
+    """Inside, new tensors are real CPU tensors whatever is active around: no dispatch mode (a recorder, the memory
+    simulation's fake tensors) and the CPU as the default device (not a meta-device block).
+
+    Example:
+        >>> with torch.device("meta"), real_cpu_tensors():
+        ...     torch.ones(1).device
+        device(type='cpu')
+    """
+    # No torch-function mode either (a `torch.device("meta")` block is one): the default device is the CPU again, and
+    # the many small ops of a stream jump pay no Python handler each.
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield

@@ -43,7 +43,7 @@ from lightning_shard.core.settings import StrategySettings
 from lightning_shard.core.strategy_core import ShardedStrategyCore
 from lightning_shard.core.undo import UndoLog
 from lightning_shard.devices import place_unmanaged_state
-from lightning_shard.init.init_skip import loaded_after_setup, trainer_checkpoint_names
+from lightning_shard.init.init_skip import loaded_after_setup, trainer_checkpoint_tensors
 from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.config import CpuCollectives, GradientAccumulation, ShardingStrategyName, StateDictType
 from lightning_shard.plan.parallelize import is_parallelized
@@ -273,7 +273,7 @@ class ShardedStrategy(CheckpointHooks, ShardedStrategyCore, ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             # the checkpoint Lightning restores next writes these tensors: materialisation leaves them to it
             averaging = self._weight_averaging is not None and trainer.state.fn == TrainerFn.FITTING
-            with loaded_after_setup(trainer_checkpoint_names(trainer, averaging)):
+            with loaded_after_setup(trainer_checkpoint_tensors(trainer, averaging)):
                 self._shard_module(self.model, self.precision_plugin, trainer.accumulate_grad_batches)
             # "auto" sharding may have rebuilt the mesh
             self.lightning_module._device_mesh = self._device_mesh
