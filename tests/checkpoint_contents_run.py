@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, ToyModel, raise_if_peer_gone, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 from lightning_shard.checkpoint.publish import STAGING_DIR  # noqa: E402
@@ -357,6 +357,7 @@ def parameters_without_state(out: Path) -> dict[str, Any]:
             fit(resumed, 6, state_dict_type=state_dict_type, ckpt_path=path)
             result[state_dict_type] = difference(weights(resumed), weights(uninterrupted))
         except Exception as error:
+            raise_if_peer_gone(error)
             result[state_dict_type] = f"{type(error).__name__}: {str(error)[:150]}"
     return {"late_parameters_resumed_vs_uninterrupted": result}
 

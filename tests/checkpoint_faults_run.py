@@ -36,20 +36,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_safety_run import fabric_model, fabric_run, report, train_step  # noqa: E402
-from toy import FULL  # noqa: E402
+from toy import FULL, outcome  # noqa: E402
 
 from lightning_shard.checkpoint.publish import STAGING_DIR  # noqa: E402
 
 FORMATS = {"sharded": {}, "sharded-async": {"async_save": True}, "full": {"state_dict_type": "full"}}
 OFFSETS_PER_ITEM_KIND = 6
-
-
-def error_of(action: Any, *args: Any) -> str:
-    try:
-        action(*args)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "ok"
 
 
 def save_and_wait(fabric: Any, path: Path, state: dict[str, Any]) -> None:
@@ -130,7 +122,7 @@ def failed_saves(out: Path, tmpfs: Path | None) -> dict[str, Any]:
             )
         for fault, context in faults.items():
             with context:
-                raised = error_of(save_and_wait, fabric, path, {"model": model, "optimizer": optimizer})
+                raised = outcome(save_and_wait, fabric, path, {"model": model, "optimizer": optimizer})
             dist.barrier()
             leftovers = sorted(os.listdir(folder / STAGING_DIR)) if (folder / STAGING_DIR).exists() else []
             fabric.load(path, {"model": fresh, "optimizer": fresh_optimizer})
@@ -202,7 +194,7 @@ def flipped_bytes(out: Path) -> dict[str, Any]:
                     damaged[offset] ^= 0xFF
                     file.write_bytes(damaged)
                 dist.barrier()
-                raised = error_of(fabric.load, path, {"model": fresh, "optimizer": fresh_optimizer})
+                raised = outcome(fabric.load, path, {"model": fresh, "optimizer": fresh_optimizer})
                 dist.barrier()
                 if dist.get_rank() == 0:
                     file.write_bytes(original)

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, ToyModel, outcome, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.checkpoint.async_save as async_save  # noqa: E402
@@ -36,15 +36,6 @@ from lightning_shard.checkpoint import convert  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy as FabricStrategy  # noqa: E402
 
 SLOW_PUBLISH = 0.5
-
-
-def outcome(action: Any, *args: Any, **kwargs: Any) -> str:
-    """``"ok"`` or the error ``action(*args, **kwargs)`` raised, as ``Type: message``."""
-    try:
-        action(*args, **kwargs)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return "ok"
 
 
 def user_folder(path: Path) -> list[str]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +28,47 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+# A launch that a segmentation fault ended is run once more, with a warning in the summary: the launcher's own process
+# died of SIGSEGV, or another rank's did (faulthandler's banner, or torchrun's report, in the output) and the launch
+# then failed (a run script raises a lost peer, see ``toy.raise_if_peer_gone``). Seen in about 1 of 5 architecture
+# sweeps (106 families, 2 ranks, torch 2.13, under load) and in CI; a core dump's crashing thread:
+# gloo::transport::tcp::Loop::run -> Pair::handleEvents -> Pair::read -> handleRemotePendingSend -> free(), while the
+# main thread waits in a DTensor full_tensor's all-gather (gloo::allgather). Not reproduced by a stress test of group
+# creation and destruction beside such all-gathers (2,100 rounds). A second crash, any other signal and any Python
+# error still fail.
+_SEGFAULT_EXITS = (-signal.SIGSEGV, 128 + signal.SIGSEGV)
+_SEGFAULT_MARKS = ("Fatal Python error: Segmentation fault", "Signal 11 (SIGSEGV)")
+
+
+def _segfaulted(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether a segmentation fault in one of the launch's processes ended it."""
+    if proc.returncode in _SEGFAULT_EXITS:
+        return True
+    return proc.returncode != 0 and any(mark in proc.stdout for mark in _SEGFAULT_MARKS)
+
+
 def run_script(*args: str, timeout: float = 300, cwd: Path | None = None, check: bool = True) -> str:
-    """Run ``python *args`` from the repository root; return stdout+stderr, failing the test on a non-zero exit."""
+    """Run ``python *args`` from the repository root; return stdout+stderr, failing the test on a non-zero exit (a
+    launch that a segmentation fault ended runs once more, see ``_segfaulted``)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd or REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, *args],
+            cwd=cwd or REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+        )
+        if not _segfaulted(proc) or attempt == 2:
+            break
+        warnings.warn(
+            f"`python {' '.join(args)}` ended by a segmentation fault (exit {proc.returncode}); running it again. "
+            f"Its last output:\n{proc.stdout[-3000:]}",
+            stacklevel=2,
+        )
     if check and proc.returncode != 0:
         pytest.fail(f"`python {' '.join(args)}` exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.stdout

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_run import PROMPT, litgpt_config, llama_config, token_loader  # noqa: E402
-from toy import FULL, QUIET, GlobalLossRecorder, RankSliceBatchSampler  # noqa: E402
+from toy import FULL, QUIET, GlobalLossRecorder, RankSliceBatchSampler, raise_if_peer_gone  # noqa: E402
 
 import lightning_shard  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
@@ -362,6 +362,7 @@ def _filtered_save(args: argparse.Namespace) -> dict[str, Any]:
         fabric.load(path, {"model": models[5]})
         strict_error = ""
     except Exception as error:  # recorded for the test
+        raise_if_peer_gone(error)
         strict_error = f"{type(error).__name__}: {error}"
     return {"saved": before[0], "target": before[5], "loaded": full_weights(models[5]), "strict_error": strict_error}
 
@@ -387,12 +388,14 @@ def _load_errors(args: argparse.Namespace) -> dict[str, str]:
         try:
             fabric.load(path, {"model": model})
         except Exception as error:  # recorded for the test to compare
+            raise_if_peer_gone(error)
             errors[case] = f"{type(error).__name__}: {error}"
     model = GPT(**TINY_GPT)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=lightning_shard.ShardedStrategy(), max_steps=1, **QUIET)
     try:
         trainer.fit(model, _interop_loader(), ckpt_path=args.resume / "fabric-sharded.ckpt")
     except Exception as error:
+        raise_if_peer_gone(error)
         errors["fit_from_fabric"] = f"{type(error).__name__}: {error}"
     return errors
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_sweep_models import FAMILIES, build, inputs, loss, model_class  # noqa: E402
 from library_run import SampleDataset  # noqa: E402
-from toy import N_SAMPLES, QUIET, RankSliceBatchSampler, StateRecorder, scenario_parser  # noqa: E402
+from toy import N_SAMPLES, QUIET, RankSliceBatchSampler, StateRecorder, raise_if_peer_gone, scenario_parser  # noqa: E402
 
 import lightning_shard  # noqa: E402
 
@@ -164,6 +164,7 @@ def main() -> None:
         try:
             run_family(family, args.devices, args.reference, args.out, result)
         except (Exception, CheckpointException) as error:  # the family's failure is its result; the sweep goes on
+            raise_if_peer_gone(error)
             # the last line: what a CheckpointException (the ranks' tracebacks) says went wrong
             result["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[-1][:300]}"
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -32,7 +32,15 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from library_models import CASES, case_inputs  # noqa: E402
-from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder, scenario_parser  # noqa: E402
+from toy import (  # noqa: E402
+    N_SAMPLES,
+    QUIET,
+    GlobalLossRecorder,
+    RankSliceBatchSampler,
+    StateRecorder,
+    raise_if_peer_gone,
+    scenario_parser,
+)
 
 import lightning_shard  # noqa: E402
 
@@ -131,6 +139,7 @@ def run(name: str, devices: int, reference: bool, out: Path, checkpoints: Path) 
     except Exception as error:  # a meta-device build the initialisation rule refuses: the named error is the result
         if build != "configure":
             raise
+        raise_if_peer_gone(error)
         result["error"] = f"{type(error).__name__}: {error}"
     if name == "clip" and not reference:
         _save_both_formats(trainer, checkpoints)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from toy import FULL, QUIET, ToyModel, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, ToyModel, outcome, rank_slice_loader  # noqa: E402
 
 from lightning_shard import ShardedStrategy  # noqa: E402
 from lightning_shard.core.buffers import broadcast_buffers  # noqa: E402
@@ -93,11 +93,8 @@ def trainer(strategy: Any = None, **kwargs: Any) -> L.Trainer:
 
 def attempt(run: Any) -> str | None:
     """Run ``run()``; its error as text, or None."""
-    try:
-        run()
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    return None
+    result = outcome(run)
+    return None if result == "ok" else result
 
 
 def lifecycle(tmp: Path) -> dict[str, Any]:

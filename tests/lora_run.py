@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_run import gpt2_config, llama_config, per_rank, token_loader  # noqa: E402
-from toy import QUIET, GlobalLossRecorder, StateRecorder  # noqa: E402
+from toy import QUIET, GlobalLossRecorder, StateRecorder, raise_if_peer_gone  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.hf  # noqa: E402
@@ -205,6 +205,7 @@ def refuse(checkpoints: Path, two: Path, out: Path) -> None:
             fit(module, 1, lightning_shard.ShardedStrategy(), [], ckpt_path=checkpoint)
             errors[name] = None
         except Exception as error:  # recorded for the test to match
+            raise_if_peer_gone(error)
             errors[name] = f"{type(error).__name__}: {error}"
     torch.save(errors, out / "refusals.pt")
 

@@ -24,7 +24,15 @@ import tied_models  # noqa: E402
 from library_models import CASES as LIBRARY_CASES  # noqa: E402
 from library_models import case_inputs  # noqa: E402
 from library_run import SampleDataset  # noqa: E402
-from toy import N_SAMPLES, QUIET, GlobalLossRecorder, RankSliceBatchSampler, StateRecorder, scenario_parser  # noqa: E402
+from toy import (  # noqa: E402
+    N_SAMPLES,
+    QUIET,
+    GlobalLossRecorder,
+    RankSliceBatchSampler,
+    StateRecorder,
+    raise_if_peer_gone,
+    scenario_parser,
+)
 
 import lightning_shard  # noqa: E402,F401  (registers strategy="fully_sharded")
 
@@ -99,6 +107,7 @@ def run(name: str, devices: int, reference: bool, out: Path) -> None:
     try:
         trainer.fit(module, train_dataloaders=loader)
     except Exception as error:  # recorded, so that one model's failure does not hide the others'
+        raise_if_peer_gone(error)
         result["error"] = f"{type(error).__name__}: {error}"
     result.update(losses=losses.losses, start=states.states.get("start"), end=states.states.get("end"), kept=kept.kept)
     if trainer.is_global_zero:

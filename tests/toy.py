@@ -29,6 +29,37 @@ QUIET = {
     "enable_model_summary": False,
 }
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# What gloo says when another rank's process has gone (a crash): the process group is dead from then on.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def raise_if_peer_gone(error: BaseException) -> None:
+    """Raise ``error`` again if it says another rank's process is gone; a run script calls this before it records
+    an error as a case's result. Such an error is no case's result: every later collective of the launch fails the
+    same way, so recording it and going on would turn one crashed process into a failure of every later case (CI:
+    one rank of the architecture sweep died and 13 families were reported failing). Raised, it ends the launch with
+    a non-zero exit, which ``conftest.run_script`` reports (and reruns once when a segmentation fault caused it).
+
+    Example:
+        >>> raise_if_peer_gone(ValueError("a recorded refusal"))  # returns: the error is the case's result
+    """
+    if any(mark in str(error) for mark in PEER_GONE):
+        raise error
+
+
+def outcome(action: Any, *args: Any, **kwargs: Any) -> str:
+    """``"ok"`` or the error ``action(*args, **kwargs)`` raised, as ``Type: message`` (see :func:`raise_if_peer_gone`).
+
+    Example:
+        >>> outcome(int, "x")
+        "ValueError: invalid literal for int() with base 10: 'x'"
+    """
+    try:
+        action(*args, **kwargs)
+    except Exception as error:
+        raise_if_peer_gone(error)
+        return f"{type(error).__name__}: {error}"
+    return "ok"
 
 
 class Block(nn.Module):
