@@ -163,7 +163,8 @@ class WorkSplit:
             # straight into this rank's shard where it is host memory of the piece's size, else through a buffer
             direct = source != self.rank and mine.device.type == "cpu" and mine.is_contiguous() and mine.nbytes == width
             received = mine.view(-1).view(torch.uint8) if direct else torch.empty(width, dtype=torch.uint8)
-            dist.scatter(received, pieces, src=dist.get_global_rank(self.group, source), group=self.group)
+            if width:  # no rank holds an element (gloo's collectives on empty buffers misbehave: pytorch#85234)
+                dist.scatter(received, pieces, src=dist.get_global_rank(self.group, source), group=self.group)
             if source != self.rank:
                 if not direct:
                     mine.copy_(received[: nbytes[self.rank]].view(live.dtype).view(mine.shape))
