@@ -1,7 +1,7 @@
-"""The test harness's one retry (``conftest.run_script``): a launch that a segmentation fault ended - in its own
-process, or in another rank's process that it then failed for - runs once more with a warning; a second one, or a
-Python error, fails the test. And the run scripts' error records (``toy.outcome``): a lost peer ends the launch
-instead of becoming a case's result."""
+"""The test harness's one retry (``conftest.run_script``): a launch that a crash in native code ended - a
+segmentation fault or glibc's abort on a corrupted heap, in its own process or in another rank's that it then failed
+for - runs once more with a warning; a second one, another abort, or a Python error fails the test. And the run
+scripts' error records (``toy.outcome``): a lost peer ends the launch instead of becoming a case's result."""
 
 from __future__ import annotations
 
@@ -45,22 +45,47 @@ def _script(tmp_path: Path, text: str = SCRIPT) -> str:
 
 
 def test_a_launch_ended_by_a_segfault_runs_once_more_with_a_warning(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="ended by a segmentation fault"):
+    with pytest.warns(UserWarning, match="ended by a crash in native code"):
         out = run_script(_script(tmp_path), str(tmp_path / "marker"), "1")
     assert out.strip() == "ran"
     assert (tmp_path / "marker").read_text().count("crash") == 1
 
 
 def test_a_launch_failed_by_another_ranks_segfault_runs_once_more(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="ended by a segmentation fault"):
+    with pytest.warns(UserWarning, match="ended by a crash in native code"):
         out = run_script(_script(tmp_path, TWO_RANKS), str(tmp_path / "marker"), "1")
     assert out.strip() == "ran"
     assert (tmp_path / "marker").read_text().count("crash") == 1
 
 
+# Aborts as glibc does on a corrupted heap (its message, then SIGABRT) the first time, or with another message always.
+ABORTING = """
+import os, sys
+marker, message = sys.argv[1], sys.argv[2]
+if not os.path.exists(marker) or message != "malloc_consolidate(): unaligned fastbin chunk detected":
+    open(marker, "a").write("crash\\n")
+    print(message, file=sys.stderr, flush=True)
+    os.abort()
+print("ran")
+"""
+
+
+def test_glibcs_abort_on_a_corrupted_heap_runs_once_more(tmp_path: Path) -> None:
+    message = "malloc_consolidate(): unaligned fastbin chunk detected"
+    with pytest.warns(UserWarning, match="ended by a crash in native code"):
+        out = run_script(_script(tmp_path, ABORTING), str(tmp_path / "marker"), message)
+    assert out.strip().endswith("ran")
+
+
+def test_another_abort_is_not_retried(tmp_path: Path) -> None:
+    with pytest.raises(pytest.fail.Exception, match="exited with -6"):
+        run_script(_script(tmp_path, ABORTING), str(tmp_path / "marker"), "terminate called after throwing")
+    assert (tmp_path / "marker").read_text().count("crash") == 1
+
+
 def test_a_second_segfault_fails(tmp_path: Path) -> None:
     with (
-        pytest.warns(UserWarning, match="ended by a segmentation fault"),
+        pytest.warns(UserWarning, match="ended by a crash in native code"),
         pytest.raises(pytest.fail.Exception, match="exited with"),
     ):
         run_script(_script(tmp_path), str(tmp_path / "marker"), "2")
