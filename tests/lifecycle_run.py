@@ -36,7 +36,6 @@ from toy import FULL, QUIET, ToyModel, outcome, rank_slice_loader  # noqa: E402
 from lightning_shard import ShardedStrategy  # noqa: E402
 from lightning_shard.core.buffers import broadcast_buffers  # noqa: E402
 from lightning_shard.fabric import ShardedStrategy as FabricShardedStrategy  # noqa: E402
-from lightning_shard.side_groups import side_groups_held  # noqa: E402
 
 # Lightning itself gives every callback the module's `log` and `log_dict` in each run.
 LIGHTNINGS_OWN = {"log", "log_dict"}
@@ -55,8 +54,7 @@ def snapshot(*objects: Any) -> dict[str, str]:
         "signal handlers": repr({int(signum): signal.getsignal(signum) for signum in CATCHABLE}),
         "functorch config": repr(functorch_config.get_config_copy()),
         "dynamo config": repr(dynamo_config.get_config_copy()),
-        # the side groups (stop votes, background saves) are made once and kept for every later run: not a leak
-        "process groups": repr(len(set(_world.pg_map) - set(side_groups_held()))),
+        "process groups": repr(len(_world.pg_map)),
         "threads": repr(sorted(thread.name for thread in threading.enumerate())),
         "torch modes": repr((torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())),
     }

@@ -23,7 +23,7 @@ MAX_LINES = 400
 # Lowest first. A folder (or top-level module) may import its own folder and any folder of an earlier layer; folders
 # in one layer do not import each other.
 LAYERS: list[set[str]] = [
-    {"torch_compat", "devices", "side_groups"},
+    {"torch_compat", "devices"},
     {"standalone_packages", "cpu", "tensor_parallel"},
     {"checkpoint"},
     {"init"},

@@ -64,7 +64,6 @@ from lightning_shard.checkpoint.save import by_rank_zero, check_target, holds_sh
 from lightning_shard.checkpoint.save_errors import saving
 from lightning_shard.checkpoint.target import Found, Target
 from lightning_shard.checkpoint.writer import ChecksummedFileSystemWriter, write_full_file
-from lightning_shard.side_groups import side_group
 from lightning_shard.standalone_packages.mixing import describe
 from lightning_shard.torch_compat.checkpoint import gc_paused
 from lightning_shard.torch_compat.modules import visible_name
@@ -167,9 +166,8 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _save_in_background(self, payload: dict[str, Any], staging: Path, path: Path, model_key: str) -> None:
         if self._async_group is None and _distributed_is_initialized():
-            # The background thread's collectives get their own group so they never interleave with training's (one
-            # save in flight at a time: every save, and teardown, waits for the one before).
-            self._async_group = side_group("async-save")
+            # The background thread's collectives get their own group so they never interleave with training's.
+            self._async_group = dist.new_group(backend="gloo")
         if self._stager is None or not STAGER_KEEPS_BUFFERS:
             self._stager = new_stager(payload[model_key])
         self._in_flight = start_background_save(payload, staging, path, self._async_group, self._stager)
@@ -236,7 +234,9 @@ class ShardedCheckpointIO(CheckpointIO):
             if self._stager is not None:
                 self._stager.close()  # frees the kept staging buffers
                 self._stager = None
-            self._async_group = None  # kept for the next run's saves (lightning_shard.side_groups: why not destroyed)
+            if self._async_group is not None:  # nothing in flight uses it now; the next run makes its own
+                dist.destroy_process_group(self._async_group)
+                self._async_group = None
 
     # ------------------------------------------------------------------ load
 

@@ -37,7 +37,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shard.checkpoint import ShardedCheckpointIO
-from lightning_shard.side_groups import forget_side_group, side_group
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +44,6 @@ log = logging.getLogger(__name__)
 # checkpoint it wrote. Not 0 (a Kubernetes Job or a shell loop would take that for a finished run) and not 128 + n
 # (which says the signal killed the process).
 PREEMPTED_EXIT_CODE = 75
-# The side group the stop votes run in (lightning_shard.side_groups)
-VOTE_GROUP = "stop-vote"
 
 
 class Preempted(SIGTERMException):
@@ -63,9 +60,8 @@ class StopVote:
     Every rank calls :meth:`exchange` at the same optimizer-step boundaries. It starts an all-reduce (max) of this
     rank's ballot - two int32 - without waiting, and returns the outcome of the one started ``lag`` exchanges earlier,
     which has had whole steps to finish: all ranks see the same outcome at the same boundary, and a rank that reaches
-    a boundary first does not wait there for the others. The all-reduce runs on a gloo group of its own
-    (:func:`~lightning_shard.side_groups.side_group`, reused by later votes): on GPUs it costs no device
-    synchronisation, and it never queues behind FSDP's collectives.
+    a boundary first does not wait there for the others. The all-reduce runs on a gloo group of its own: on GPUs it
+    costs no device synchronisation, and it never queues behind FSDP's collectives.
 
     Example:
         >>> vote = StopVote()
@@ -83,7 +79,8 @@ class StopVote:
     def open(self) -> None:
         """Call on every rank before the first exchange (creating the group is a collective)."""
         self._distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._group = side_group(VOTE_GROUP) if self._distributed else None
+        if self._distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")
         self._in_flight.clear()
 
     def exchange(self, ballot: tuple[int, int]) -> tuple[int, int]:
@@ -99,18 +96,25 @@ class StopVote:
         return self._outcome(self._in_flight.popleft()) if len(self._in_flight) > self.lag else (0, 0)
 
     def close(self) -> tuple[int, int]:
-        """Wait for every vote in flight (call on every rank); the element-wise maximum of their outcomes. The group
-        stays for the next vote (:mod:`lightning_shard.side_groups` says why it is not destroyed)."""
+        """Wait for every vote in flight (call on every rank); the element-wise maximum of their outcomes. The vote's
+        process group goes: a group left behind lives until the process ends (one per vote opened)."""
         outcomes = [self._outcome(vote) for vote in self._in_flight]
         self._in_flight.clear()
+        self._release_group()
         return (max((o[0] for o in outcomes), default=0), max((o[1] for o in outcomes), default=0))
 
     def abandon(self) -> None:
-        """Forget the votes in flight without waiting: after an error, other ranks may never complete them. A group
-        in which a vote still waits is never used again (a later vote would be matched with the one left waiting)."""
-        if any(work is not None and not work.is_completed() for _, work in self._in_flight):
-            forget_side_group(VOTE_GROUP)
+        """Forget the votes in flight without waiting: after an error, other ranks may never complete them. Their
+        process group goes too unless a vote still waits in it for another rank (destroying it would wait as long)."""
+        waiting = any(work is not None and not work.is_completed() for _, work in self._in_flight)
         self._in_flight.clear()
+        if not waiting:
+            self._release_group()
+
+    def _release_group(self) -> None:
+        if self._group is not None:
+            dist.destroy_process_group(self._group)  # local: no other rank takes part
+            self._group = None
 
     @staticmethod
     def _outcome(vote: tuple[torch.Tensor, dist.Work | None]) -> tuple[int, int]:

@@ -52,7 +52,6 @@ from lightning_shard.init.rng_watch import state_bytes
 from lightning_shard.init.shard_init import local
 from lightning_shard.init.stream_jump import advance
 from lightning_shard.init.unset import empty_bytes
-from lightning_shard.side_groups import side_group
 from lightning_shard.torch_compat.dispatch import holds_values
 from lightning_shard.torch_compat.distributed import local_chunk
 
@@ -109,6 +108,13 @@ class WorkSplit:
     def run(self, rng: list[tuple[float, Callable[[], None]]]) -> bool:
         """Replay this rank's share and exchange the shards; ``False`` (after a warning) when the stream check failed
         and the whole replay must run instead."""
+        try:
+            return self._run(rng)
+        finally:
+            if self.group is not dist.group.WORLD:
+                dist.destroy_process_group(self.group)
+
+    def _run(self, rng: list[tuple[float, Callable[[], None]]]) -> bool:
         if self.chunked:
             rng[0][1]()  # the stream's start: rank 0's state where the construction began
             fill_chunks(self.plan, self.chunked, torch.get_rng_state(), self.offsets)
@@ -294,10 +300,10 @@ def _digest(state: torch.Tensor) -> str:
 
 
 def _cpu_group() -> Any:
-    """The world group where it runs CPU collectives (gloo), else a gloo group of the world kept for this (on GPUs:
+    """The world group where it runs CPU collectives (gloo), else a gloo group of the world made for this (on GPUs:
     the shards go from host memory to host memory, never whole through a device)."""
     backend = str(dist.get_backend())
-    return dist.group.WORLD if "gloo" in backend else side_group("init-exchange")
+    return dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
 
 
 def _gathered(value: Any, group: Any) -> list[Any]:
