@@ -38,7 +38,7 @@ def raise_if_peer_gone(error: BaseException) -> None:
     an error as a case's result. Such an error is no case's result: every later collective of the launch fails the
     same way, so recording it and going on would turn one crashed process into a failure of every later case (CI:
     one rank of the architecture sweep died and 13 families were reported failing). Raised, it ends the launch with
-    a non-zero exit, which ``conftest.run_script`` reports (and reruns once when a segmentation fault caused it).
+    a non-zero exit, which ``conftest.run_script`` reports (and reruns once when a crash in native code caused it).
 
     Example:
         >>> raise_if_peer_gone(ValueError("a recorded refusal"))  # returns: the error is the case's result

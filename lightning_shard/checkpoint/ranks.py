@@ -37,8 +37,22 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
         >>> broadcast_object({"step": 3})
         {'step': 3}
     """
-    if not _distributed_is_initialized():
-        return obj
+    if not _distributed_is_initialized() or dist.get_world_size(group) == 1:
+        return obj  # rank 0 keeps its own object in a broadcast too
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=group)
     return holder[0]
+
+
+def all_gathered(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` of ``group`` (default: all; pickled), in rank order; ``[obj]`` without a process group.
+
+    Example:
+        >>> all_gathered({"unset": []})
+        [{'unset': []}]
+    """
+    if not _distributed_is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

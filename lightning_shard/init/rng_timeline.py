@@ -18,9 +18,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 
+from lightning_shard.checkpoint.ranks import broadcast_object
 from lightning_shard.init.construction_log import ConstructionLog, RngEvent
 from lightning_shard.init.rng_watch import state_bytes
 
@@ -81,16 +80,13 @@ def _first_seq(log: ConstructionLog) -> float:
 
 
 def _from_rank_zero(states: list[Any]) -> list[Any]:
-    if not _distributed_is_initialized() or dist.get_world_size() == 1:
-        return states
-    received: list[Any] = [states]
-    dist.broadcast_object_list(received, src=0)
-    if len(received[0]) != len(states):
+    received = broadcast_object(states)
+    if len(received) != len(states):
         raise RuntimeError(
             "The model's construction changed the random generator's state a different number of times on this rank "
             "than on rank 0: the ranks built different models. Build the same model on every rank."
         )
-    return received[0]
+    return received
 
 
 @contextmanager

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_shard.checkpoint.ranks import all_gathered
 from lightning_shard.init.chunk_fills import chunk_filled, fill_chunks
 from lightning_shard.init.construction_log import HolderKey, Op, held_tensor
 from lightning_shard.init.draw_counts import draws_elsewhere, outputs_of
@@ -83,7 +84,9 @@ class WorkSplit:
         self.lives = {s: _lives(plan, s) for s in order}
         mine = [[_chunk(live) for _, live in self.lives[s]] for s in order]  # by position in `order`: storage keys
         # are addresses, which differ between ranks
-        self.chunks: list[dict[int, list[Chunk]]] = [dict(zip(order, c, strict=True)) for c in _gathered(mine, group)]
+        self.chunks: list[dict[int, list[Chunk]]] = [
+            dict(zip(order, c, strict=True)) for c in all_gathered(mine, group)
+        ]
         self.finished: dict[int, torch.Tensor] = {}
         self.replayed: dict[int, bool] = {}  # owned storage -> every element written
         self.round = 0
@@ -101,7 +104,7 @@ class WorkSplit:
         chunked = chunk_filled(plan, offsets, events=len(rng) - 1) if splittable else set()
         order = [storage for storage in _target_order(plan) if storage not in chunked]
         fingerprint = _fingerprint(plan, order, len(chunked)) if splittable else None
-        if len(set(_gathered(fingerprint, None))) != 1 or fingerprint is None:
+        if len(set(all_gathered(fingerprint, None))) != 1 or fingerprint is None:
             return None
         return cls(plan, order, (chunked, offsets), _cpu_group())
 
@@ -124,7 +127,7 @@ class WorkSplit:
         while self.round < max(len(b) for b in self.batches):
             self._exchange_round()
         position = {s: index for index, s in enumerate(self.order)}
-        for flags in _gathered({position[s]: flag for s, flag in self.replayed.items()}, self.group):
+        for flags in all_gathered({position[s]: flag for s, flag in self.replayed.items()}, self.group):
             for index, flag in flags.items():
                 for _, live in self.lives[self.order[index]]:
                     self.plan.replayed[id(live)] = flag
@@ -175,7 +178,7 @@ class WorkSplit:
     def _stream_agrees(self, replay: Any, events: list[float]) -> bool:
         """Where the next rank's draws start, this rank's stream equals that rank's (module docstring, step 4)."""
         first = replay.first_draw
-        starts = _gathered((first[0], _digest(first[1])) if first else None, self.group)
+        starts = all_gathered((first[0], _digest(first[1])) if first else None, self.group)
         later = sorted(start for start in starts if start and replay.last_draw and start[0] > replay.last_draw[0])
         mismatch = False
         if later and replay.last_draw:
@@ -183,7 +186,7 @@ class WorkSplit:
             counted = self._outputs_between(replay.last_draw[0], position)
             if counted is not None and not any(replay.last_draw[0] < event < position for event in events):
                 mismatch = _digest(advance(replay.last_draw[1], counted)) != expected
-        if not any(_gathered(mismatch, self.group)):
+        if not any(all_gathered(mismatch, self.group)):
             return True
         warnings.warn(
             "lightning_shard: the ranks' random streams disagreed where their shares of the initialisation meet (a "
@@ -304,9 +307,3 @@ def _cpu_group() -> Any:
     the shards go from host memory to host memory, never whole through a device)."""
     backend = str(dist.get_backend())
     return dist.group.WORLD if "gloo" in backend else dist.new_group(backend="gloo")
-
-
-def _gathered(value: Any, group: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered

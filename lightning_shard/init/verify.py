@@ -14,13 +14,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch import nn
 
+from lightning_shard.checkpoint.ranks import all_gathered
 from lightning_shard.init.names import shown
 from lightning_shard.init.shard_init import local
 from lightning_shard.init.unset import edges, holds_unset
@@ -45,10 +42,8 @@ def refuse_unwritten(
     unset = [
         name for name, tensor, full in tensors if full is False or (full is None and _unset(name, tensor, at_edges))
     ]
-    if _distributed_is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, unset)
-        unset = [name for name, _, _ in tensors if any(name in names for names in gathered)]
+    gathered = all_gathered(unset)
+    unset = [name for name, _, _ in tensors if any(name in names for names in gathered)]
     if unset and by_load:
         raise RuntimeError(
             f"The checkpoint loaded after setup holds {shown(unset)}, so materialisation left them to it, but the "
