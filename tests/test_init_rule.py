@@ -176,6 +176,49 @@ def test_op_tables_name_what_torch_dispatches() -> None:
     assert all(op_base_name(op.func) in OVERWRITES and op.overwritten for op in on_weight)
 
 
+def test_a_meta_normal_is_recorded_without_torch_s_kernel_and_a_bad_std_still_raises_torch_s_error() -> None:
+    """The recorder skips torch's meta kernel of ``normal_`` (a Python decomposition, a quarter of recording the GPT
+    example): the op is recorded and replayed all the same, and a negative ``std`` still gets torch's error
+    where the eager build raises it."""
+    torch.manual_seed(SEED)
+    eager = nn.Linear(4, 4, bias=False)
+    nn.init.normal_(eager.weight, 0.5, 0.02)
+    with torch.device("meta"), record_construction() as log:
+        weight = torch.empty(4, 4)
+        assert weight.normal_(0.5, 0.02) is weight
+    assert [op_base_name(op.func) for op in log.ops] == ["aten::empty", "aten::normal_"]
+    torch.manual_seed(SEED)
+    with meta_construction():
+        layer = nn.Linear(4, 4, bias=False)
+        nn.init.normal_(layer.weight, 0.5, 0.02)
+    materialize_sharded_module(layer, torch.device("cpu"))
+    assert torch.equal(layer.weight.detach(), eager.weight.detach())
+    with pytest.raises(RuntimeError, match="normal expects std >= 0.0"), meta_construction():
+        nn.init.normal_(nn.Linear(2, 2).weight, 0.0, -1.0)
+
+
+def test_the_recorder_s_bookkeeping_reaches_no_torch_function_mode() -> None:
+    """Registering a parameter while recording runs the recorder's own tensor queries (storage, sizes, strides)
+    with torch-function handling off: a mode around the build sees the model's calls only (through every mode's
+    Python handler, those queries took about a seventh of the recording)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Calls() as plain, torch.device("meta"):
+        nn.Linear(2, 2)
+    with Calls() as recorded, meta_construction():
+        nn.Linear(2, 2)
+    assert recorded.names == plain.names
+
+
 def test_torch_empty_never_written_is_refused_even_with_reset_parameters() -> None:
     with pytest.raises(RuntimeError, match=r"nothing its construction did wrote \['w'\]"):
         build(STYLES["empty_never_written"])

@@ -474,3 +474,27 @@ def test_selective_checkpointing_wraps_the_auto_blocks_with_the_per_op_policy(me
     wrappers = [module for module in model.modules() if isinstance(module, CheckpointWrapper)]
     assert [type(w._checkpoint_wrapped_module).__name__ for w in wrappers] == ["Block"] * 3
     assert all("context_fn" in w.checkpoint_fn.keywords for w in wrappers)
+
+
+def test_true_precision_walks_the_model_only_when_something_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"32-true"`` on an fp32 model (every setup of the default path) changes nothing and walks nothing; a tensor or
+    a Lightning module's reported dtype that differs is converted as ``.to`` converts it."""
+    from lightning_shard.plan.precision import ShardedPrecision
+
+    walked: list[nn.Module] = []
+    apply = nn.Module._apply
+    monkeypatch.setattr(nn.Module, "_apply", lambda self, *a, **k: walked.append(self) or apply(self, *a, **k))
+
+    class Model(L.LightningModule):
+        def __init__(self, dtype: torch.dtype) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 2, dtype=dtype)
+
+    fp32 = Model(torch.float32)
+    assert ShardedPrecision("32-true").convert_module(fp32) is fp32 and not walked
+    built_in_bf16 = Model(torch.bfloat16)  # its tensors in bf16, its reported dtype fp32: `.to` sets it
+    ShardedPrecision("bf16-true").convert_module(built_in_bf16)
+    assert walked and built_in_bf16.dtype == torch.bfloat16
+    ShardedPrecision("32-true").convert_module(built_in_bf16)
+    assert {param.dtype for param in built_in_bf16.parameters()} == {torch.float32}
+    assert built_in_bf16.dtype == torch.float32

@@ -48,10 +48,15 @@ from lightning_shard.init.construction_log import (
     TensorRef,
     note_held,
 )
-from lightning_shard.init.op_recorder import DataFactories, OpRecorder, modules_under_construction
+from lightning_shard.init.op_recorder import (
+    DataFactories,
+    OpRecorder,
+    modules_under_construction,
+    python_calls_unwatched,
+)
 from lightning_shard.init.python_calls import PythonCalls
 from lightning_shard.init.rng_watch import GeneratorWatch
-from lightning_shard.torch_compat.dispatch import remove_mode
+from lightning_shard.torch_compat.dispatch import remove_mode, torch_functions_off
 from lightning_shard.torch_compat.tensors import storage_key
 
 
@@ -113,6 +118,11 @@ class Recording:
         log = self.log
 
         def hook(parent: nn.Module, name: str, value: Any) -> None:
+            # the recorder's own work: no Python call of it for the call watch, no tensor method for the modes
+            with python_calls_unwatched(), torch_functions_off():
+                _note(parent, name, value)
+
+        def _note(parent: nn.Module, name: str, value: Any) -> None:
             old = parent.__dict__[table].get(name, ABSENT)
             seq = next(SEQUENCE)
             ref = None

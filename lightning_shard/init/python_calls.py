@@ -37,6 +37,7 @@ from lightning_shard.init.skipped_draws import SKIPPED
 
 # torch.nn.init functions that return at once on a meta tensor: recorded as one op each, replayed whole.
 WHOLE_INIT_FUNCTIONS = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+_GENERATOR = torch.Generator
 
 
 class PythonCalls:
@@ -66,14 +67,19 @@ class PythonCalls:
         sys.setprofile(self.previous)
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        # Called for every Python and C call and return of the construction: the few it looks for are told apart here,
+        # inline (a method call per event was a fifth of the recording's cost).
         if self.previous is not None:
             self.previous(frame, event, arg)
         if event == "call":
-            self._call(frame)
+            code = frame.f_code
+            if code in self.stop_at or code in self.whole or code is self.set_state:
+                self._call(frame)
         elif event == "return":
-            self._return(frame, arg)
-        elif event == "c_call" and isinstance(getattr(arg, "__self__", None), torch.Generator):
-            self._generator_call(arg.__self__, arg.__name__)
+            if (self.open and frame is self.open[-1]) or frame.f_code is self.get_state:
+                self._return(frame, arg)
+        elif event == "c_call" and issubclass(type(getattr(arg, "__self__", None)), _GENERATOR):  # not isinstance:
+            self._generator_call(arg.__self__, arg.__name__)  # see torch_compat.tensors.is_generator
 
     def _generator_call(self, generator: torch.Generator, method: str) -> None:
         """A generator's state set (its skipped draws forgiven) or read (they are drawn first), by any caller."""

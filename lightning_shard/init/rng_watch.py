@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lightning_shard.init.construction_log import SEQUENCE, ConstructionLog, RngEvent
+from lightning_shard.torch_compat.dispatch import torch_functions_off
 
 
 def state_bytes(state: torch.Tensor | None) -> bytes:
@@ -29,7 +30,10 @@ def state_bytes(state: torch.Tensor | None) -> bytes:
         >>> state_bytes(torch.get_rng_state()) == state_bytes(torch.get_rng_state())
         True
     """
-    return b"" if state is None else state.numpy().tobytes()
+    if state is None:
+        return b""
+    with torch_functions_off():  # the recorder's own read: no torch-function mode around it sees it
+        return state.numpy().tobytes()
 
 
 class _Internal:

@@ -25,6 +25,7 @@ from lightning_shard.init.construction_log import Scratch, TensorRef
 from lightning_shard.init.draw_counts import JumpedDraws
 from lightning_shard.init.recorded_inputs import GeneratorAt, RealValue
 from lightning_shard.torch_compat.dispatch import tree_map
+from lightning_shard.torch_compat.tensors import is_generator
 
 _CPU = torch.device("cpu")
 
@@ -76,7 +77,7 @@ def generator_of(values: Any) -> torch.Generator:
 
     def note(value: Any) -> None:
         live = getattr(value, "generator", value)
-        if isinstance(live, torch.Generator):
+        if is_generator(live):
             found.append(live)
 
     tree_map(note, values)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ def tree_map(fn: Any, tree: Any) -> Any:
     """
     kind = type(tree)
     if kind is tuple or kind is list:
-        return kind(tree_map(fn, value) for value in tree)
+        return kind([tree_map(fn, value) for value in tree])
     if kind is dict:
         return {key: tree_map(fn, value) for key, value in tree.items()}
     if kind in _LEAF_TYPES or isinstance(tree, torch.Tensor):
@@ -123,6 +123,19 @@ def remove_mode(mode: Any) -> None:
         push(entry)
 
 
+def torch_functions_off() -> AbstractContextManager[None]:
+    """Inside, no torch-function mode (``torch.device("meta")``, a recorder's) and no ``__torch_function__`` of a
+    subclass runs: a context torch implements in C, cheap enough to enter for each recorded op, where each tensor
+    query would otherwise call every mode's Python handler.
+
+    Example:
+        >>> with torch.device("meta"), torch_functions_off():
+        ...     torch.ones(1).device
+        device(type='cpu')
+    """
+    return torch._C.DisableTorchFunction()
+
+
 def holds_values(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s values can be read: not a fake tensor (``FakeTensorMode``, the memory simulation's: shape,
     dtype and device only; reading a value raises ``DataDependentOutputException``).
@@ -148,5 +161,5 @@ def real_cpu_tensors() -> Iterator[None]:
     """
     # No torch-function mode either (a `torch.device("meta")` block is one): the default device is the CPU again, and
     # the many small ops of a stream jump pay no Python handler each.
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
+    with _disable_current_modes(), torch_functions_off():
         yield
