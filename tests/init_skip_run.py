@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from toy import FULL, QUIET, rank_slice_loader  # noqa: E402
+from toy import FULL, QUIET, outcome, rank_slice_loader  # noqa: E402
 
 import lightning_shard  # noqa: E402
 import lightning_shard.fabric  # noqa: E402
@@ -208,15 +209,16 @@ def unwritten(out: Path, devices: int, ckpt: Path) -> str:
     return "no error"
 
 
-def fabric_run(fabric: L.Fabric, checkpoint: Path, resume: bool) -> dict[str, Any]:
+def fabric_run(fabric: L.Fabric, checkpoint: Path, resume: bool, told: bool = False) -> dict[str, Any]:
     """Fabric: ``STEPS`` steps saving at ``SAVE_AT``, or a fresh model and optimizer that ``fabric.load`` the
-    checkpoint right after setup and train on to ``STEPS``."""
+    checkpoint right after setup and train on to ``STEPS`` (``told``: setup inside ``checkpoint_follows``)."""
     L.seed_everything(0, verbose=False)
     COUNTS.update(drawn=0, replayed=0, sentinel=0)
     model = Net()
     with fabric.init_module(empty_init=True):
         model.configure_model()
-    model = fabric.setup(model)
+    with fabric.strategy.checkpoint_follows(checkpoint) if told else nullcontext():
+        model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
@@ -230,7 +232,25 @@ def fabric_run(fabric: L.Fabric, checkpoint: Path, resume: bool) -> dict[str, An
         if state["step"] == SAVE_AT and not resume:
             fabric.save(checkpoint, state)
     fused = optimizer.param_groups[0]["fused"]
-    return {"weights": get_model_state_dict(model, options=FULL), "fused": fused, **COUNTS}
+    local_tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+    weights = get_model_state_dict(model, options=FULL)
+    return {"weights": weights, "fused": fused, "local_tensors": local_tensors, **COUNTS}
+
+
+def fabric_unloaded(fabric: L.Fabric, checkpoint: Path) -> dict[str, str]:
+    """``checkpoint_follows`` without the load: what a forward and a save say; then what the load lets run."""
+    model = Net()
+    with fabric.init_module(empty_init=True):
+        model.configure_model()
+    with fabric.strategy.checkpoint_follows(checkpoint):
+        model = fabric.setup(model)
+    x = torch.randn(4, WIDTH)
+    seen = {
+        "forward": outcome(lambda: model(x)),
+        "save": outcome(lambda: fabric.save(checkpoint.with_name("early.ckpt"), {"model": model})),
+    }
+    fabric.load(checkpoint, {"model": model}, strict=False)
+    return {**seen, "forward_after_load": outcome(lambda: model(x))}
 
 
 def main() -> None:
@@ -259,6 +279,8 @@ def main() -> None:
     fabric.launch()
     results["fabric"] = fabric_run(fabric, args.out / "fabric.ckpt", resume=False)
     results["fabric_resume"] = fabric_run(fabric, args.out / "fabric.ckpt", resume=True)
+    results["fabric_told"] = fabric_run(fabric, args.out / "fabric.ckpt", resume=True, told=True)
+    results["fabric_unloaded"] = fabric_unloaded(fabric, args.out / "fabric.ckpt")
     if dist.get_rank() == 0:
         torch.save(results, args.out / "result.pt")
 

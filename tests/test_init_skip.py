@@ -22,8 +22,8 @@ RESUMED = [
     ("resume", "straight"),
     ("resume_full", "straight"),
     ("resume_last", "straight"),
+    ("fabric_told", "fabric"),  # `fabric.setup` inside `checkpoint_follows`
 ]
-# Fabric initialises at setup (it cannot know a `fabric.load` follows), so its resume replays: not in the list.
 
 
 @pytest.mark.parametrize(("scenario", "straight"), RESUMED)
@@ -77,3 +77,18 @@ def test_only_a_tensor_whose_saved_chunks_tile_it_counts_as_stored_whole() -> No
     # stored in part (a chunk missing) or not a tensor: the whole sentinel and the whole check stay
     assert not _tiled(_entry((4, 2), [((0, 0), (2, 2))]))
     assert not _tiled(BytesStorageMetadata())
+
+
+def test_fabric_without_the_announcement_initialises_everything(init_skip_result: dict) -> None:
+    """Fabric cannot know that a `fabric.load` follows its setup: told nothing, it initialises the whole model."""
+    results = init_skip_result
+    assert results["fabric_resume"]["drawn"] == results["fabric"]["drawn"] > 0
+    assert max_weight_diff(results["fabric_resume"]["weights"], results["fabric"]["weights"]) == 0.0
+
+
+def test_a_model_left_to_an_announced_load_refuses_to_run_or_be_saved_before_it(init_skip_result: dict) -> None:
+    seen = init_skip_result["fabric_unloaded"]
+    assert seen["forward"].startswith("RuntimeError: `fabric.setup` left the model tensors that ")
+    assert "Call `fabric.load(" in seen["forward"]
+    assert seen["save"].startswith("RuntimeError: Saving ") and "Load the checkpoint first" in seen["save"]
+    assert seen["forward_after_load"] == "ok"

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +46,13 @@ from lightning_shard.devices import place_unmanaged_state
 from lightning_shard.fabric.precision import ShardedPrecision
 from lightning_shard.fabric.preemption import Preemptible
 from lightning_shard.fabric.state import checkpoint_from_state, layout_of, restore_rest
-from lightning_shard.init.init_skip import check_after_load
+from lightning_shard.init.init_skip import (
+    check_after_load,
+    checkpoint_tensors,
+    load_pending,
+    loaded_after_setup,
+    refuse_use_before_load,
+)
 from lightning_shard.init.materialize import meta_construction
 from lightning_shard.plan.direct_calls import drop_gathered_parameters
 from lightning_shard.plan.parallelize import is_parallelized
@@ -111,6 +118,7 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         self._replaced_parameters: weakref.WeakValueDictionary[int, torch.nn.Parameter] = weakref.WeakValueDictionary()
         # The models set up here: an optimizer step or a load changes their shards (Fabric's step names no model).
         self._sharded_models: weakref.WeakSet[Module] = weakref.WeakSet()
+        self._load_follows: str | None = None  # the checkpoint a load after setup reads (`checkpoint_follows`)
 
     @property  # type: ignore[override]
     @override
@@ -184,9 +192,17 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
             # Fabric's loop decides how many micro-batches a step accumulates; "unsharded" is chosen only to
             # accumulate, so the "auto" memory estimate counts the whole gradients it holds between them.
             accumulate = 2 if self.config.gradient_accumulation == "unsharded" else 1
-            # Initialised here, not deferred to the first use: Fabric cannot know whether a `fabric.load` follows, and
-            # deferred values would read as sentinels, and be overwritten if written, until then.
+            # Initialised here, not deferred to the first use: Fabric cannot know whether a `fabric.load` follows
+            # (unless told: `checkpoint_follows`), and deferred values would read as sentinels, and be overwritten if
+            # written, until then.
             self._shard_module(module, self.precision, accumulate)
+            refuse_use_before_load(
+                module,
+                f"`fabric.setup` left the model tensors that {self._load_follows} holds to the `fabric.load` that "
+                "`checkpoint_follows` announced, but the model ran before it: they hold no values yet. Call "
+                f"`fabric.load({self._load_follows!r}, state)` right after setup, or set the model up outside "
+                "`checkpoint_follows`.",
+            )
         else:
             self._keep_sharding(module, self.precision)
         self._apply_run_settings()
@@ -252,6 +268,28 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @contextmanager
+    def checkpoint_follows(self, path: _PATH) -> Iterator[None]:
+        """Inside, ``fabric.setup`` leaves the model tensors that the checkpoint at ``path`` holds to the
+        ``fabric.load(path, state)`` that follows: nothing the load overwrites is initialised (no op replayed, no
+        random number drawn for them, none of their memory written before the load), as ``fit(ckpt_path=...)`` does
+        for the Trainer; Fabric alone cannot tell that a load follows. No checkpoint at ``path`` (a first run):
+        setup initialises everything. Until the load the model refuses to run and ``fabric.save`` refuses it; a load
+        that leaves some of those tensors unwritten names them. Enter on every rank.
+
+        Example:
+            >>> with fabric.strategy.checkpoint_follows("ckpts/last.ckpt"):  # doctest: +SKIP
+            ...     model, optimizer = fabric.setup(model, optimizer)
+            >>> fabric.load("ckpts/last.ckpt", {"model": model, "optimizer": optimizer})  # doctest: +SKIP
+        """
+        path = self.broadcast(str(path))
+        with loaded_after_setup(checkpoint_tensors(path)):
+            self._load_follows = path
+            try:
+                yield
+            finally:
+                self._load_follows = None
+
     def preemptible(self) -> Preemptible:
         """A context for the training loop in which a stop signal (``SIGTERM``; SLURM's requeue signal under
         ``SLURMEnvironment(auto_requeue=True)``) ends the run at a step all ranks agree on, with a checkpoint of that
@@ -278,6 +316,11 @@ class ShardedStrategy(ShardedStrategyCore, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"`storage_options={storage_options!r}` is not supported by {type(self).__name__}.")
         path = self.broadcast(str(path))
+        if any(load_pending(model) for model in self._sharded_models):
+            raise RuntimeError(
+                f"Saving {path} before the `fabric.load` that `checkpoint_follows` announced: the model tensors left "
+                "to it hold no values yet. Load the checkpoint first."
+            )
         full = self.config.state_dict_type == "full"
         checkpoint, layout = checkpoint_from_state(state, self.checkpoint_io, full=full, filter=filter)
         if full:

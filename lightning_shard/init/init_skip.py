@@ -65,8 +65,9 @@ _NOTHING_STORED = StoredTensors()
 _LOADED_AFTER_SETUP: ContextVar[StoredTensors] = ContextVar("loaded_after_setup", default=_NOTHING_STORED)
 # The checkpoint Lightning selected for each running Trainer (see `resume_path_noted`).
 _SELECTED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-# On the model: the check of the tensors left to a load (`check_after_load`).
+# On the model: the check of the tensors left to a load (`check_after_load`), and the hook refusing a forward before it.
 _UNCHECKED = "_lightning_shard_unchecked_after_load"
+_BEFORE_LOAD = "_lightning_shard_refused_before_load"
 
 
 @contextmanager
@@ -276,3 +277,33 @@ def check_after_load(root: nn.Module) -> None:
     check = root.__dict__.pop(_UNCHECKED, None)
     if check is not None:
         check()
+    refusal = root.__dict__.pop(_BEFORE_LOAD, None)
+    if refusal is not None:
+        refusal.remove()
+
+
+def load_pending(root: nn.Module) -> bool:
+    """Whether setup left tensors of ``root`` to a load that has not run yet (:func:`check_after_load`).
+
+    Example:
+        >>> load_pending(nn.Linear(2, 2))
+        False
+    """
+    return _UNCHECKED in root.__dict__
+
+
+def refuse_use_before_load(root: nn.Module, message: str) -> None:
+    """Until the load (:func:`check_after_load`), a forward of ``root`` raises ``RuntimeError(message)``: the tensors
+    left to the load hold the sentinel, not values. Does nothing when setup left nothing to a load.
+
+    Example:
+        >>> refuse_use_before_load(nn.Linear(2, 2), "load first")
+    """
+    if not load_pending(root):
+        return
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        raise RuntimeError(message)
+
+    # first, before FSDP gathers anything for the forward it refuses
+    root.__dict__[_BEFORE_LOAD] = root.register_forward_pre_hook(before_forward, prepend=True)
