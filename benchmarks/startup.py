@@ -12,6 +12,8 @@ Paths:
 * ``anchor``: Lightning's ``ModelParallelStrategy`` with ``fully_shard`` by hand on each block and the root in
   ``configure_model()`` (built on the meta device); Lightning then materialises with ``to_empty`` + each module's
   ``reset_parameters()`` on the shards (each rank draws its shards from its own generator: not the eager values).
+* ``floor``: the anchor with Lightning's materialisation cut to ``to_empty`` (no ``reset_parameters()``): the meta
+  build, ``fully_shard``, the allocation and the optimizer, what no setup that keeps them goes below.
 * ``eager``: the whole model built in one process (``configure_model()`` on the CPU), for scale.
 * ``resume`` (``default`` only, up to 1.3B: the restore of a larger model's AdamW states does not fit in this
   machine's memory): a fresh run saves a sharded checkpoint; a new Trainer resumes it. Up to 760M the fresh run takes
@@ -55,6 +57,7 @@ LABELS = {
     "default": "ours, fresh",
     "resume": "ours, resumed (`fit(ckpt_path=...)`)",
     "anchor": "anchor (ModelParallelStrategy by hand)",
+    "floor": "floor: the anchor without initialisation",
     "eager": "eager, one process",
 }
 # Seconds per billion parameters each rank spent before the split (every rank replayed the whole model; issue 37)
@@ -114,7 +117,11 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     start = time.time()
     clock = Clock(start)
-    if args.path == "anchor":
+    if args.path == "floor":  # `to_empty` alone: what any setup that keeps a meta build and FSDP2 cannot go below
+        import lightning.pytorch.strategies.model_parallel as model_parallel
+
+        model_parallel._materialize_distributed_module = lambda module, device: module.to_empty(device=device)
+    if args.path in ("anchor", "floor"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -131,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, max_epochs=epochs, callbacks=[clock], **QUIET
     )
-    model = gpt(args.size, anchor=args.path == "anchor")
+    model = gpt(args.size, anchor=args.path in ("anchor", "floor"))
     if skip:
         model.on_train_batch_start = lambda batch, index: -1  # type: ignore[method-assign]
     trainer.fit(model, tokens(), ckpt_path=args.resume)
@@ -188,6 +195,7 @@ def main() -> None:
     parser.add_argument("--eager-only", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="launches of each row; its quickest setup is kept")
     parser.add_argument("--out", type=Path, default=result_path("startup"))
+    parser.add_argument("--merge", action="store_true", help="keep the rows of the results file this run does not redo")
     args = parser.parse_args()
     if args.eager_only:
         print("ROW " + json.dumps(eager(args.size)), flush=True)
@@ -195,7 +203,7 @@ def main() -> None:
     if args.path:
         worker(args)
         return
-    results: list[dict[str, Any]] = []
+    results = kept_rows(args.out) if args.merge else []
     for size in args.sizes:
         resumed = "resume" in args.paths and size in RESUMED
         with tempfile.TemporaryDirectory() as scratch:
@@ -216,12 +224,24 @@ def main() -> None:
                 row = {**min(runs, key=lambda run: run["setup_s"]), "setups_s": [run["setup_s"] for run in runs]}
                 ranks = 1 if path == "eager" else 2
                 per_billion = row["setup_s"] / (row["params"] / ranks / 1e9)
-                results.append({
+                new = {
                     "size": NAMES[size], "path": path, "ranks": ranks, **row, "setup_s_per_b": per_billion,
                     "layers": GPT3_SIZES[size][0],
-                })  # fmt: skip
-                print(results[-1], flush=True)
+                }  # fmt: skip
+                results = in_order([r for r in results if (r["size"], r["path"]) != (new["size"], path)] + [new])
+                print(new, flush=True)
                 write_result(args.out, "startup", {"rows": results, "report": report(results)})
+
+
+def kept_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier run in the results file ``path`` (none without one)."""
+    return json.loads(path.read_text())["sections"].get("startup", {}).get("rows", []) if path.exists() else []
+
+
+def in_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By size, then path in the order of ``LABELS``."""
+    sizes, paths = list(NAMES.values()), list(LABELS)
+    return sorted(rows, key=lambda row: (sizes.index(row["size"]), paths.index(row["path"])))
 
 
 def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,6 +279,18 @@ def report(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if resumes:
         shares = ", ".join(f"{size} {share:.0%}" for size, share in resumes)
         notes.append(f"Target resumed setup under 10% of a fresh one: {shares}.")
+    floors = [(size, by[(size, "floor")]["setup_s"]) for size, path in by if path == "resume" and (size, "floor") in by]
+    if floors:
+        against = ", ".join(
+            f"{size} {by[(size, 'resume')]['setup_s']:.2f} s against {floor:.2f} s "
+            f"({floor / by[(size, 'default')]['setup_s']:.0%})"
+            for size, floor in floors
+        )
+        notes.append(
+            "Floor = the anchor with `to_empty` alone (the meta build, `fully_shard`, the allocation, the optimizer): "
+            "what no setup that keeps a meta build and FSDP2 goes below. Resumed setup against it (and the share of "
+            f"a fresh setup the floor itself is): {against}."
+        )
     return {
         "title": "Startup: from `fit` to the first step, fresh and resumed (GPT-3 family, 2 CPU ranks)",
         "question": "How long until training runs, and how much of it is setup (materialisation) - ours, Lightning's "
