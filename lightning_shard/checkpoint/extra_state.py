@@ -5,7 +5,7 @@ Those entries are pickled whole (torch.distributed.checkpoint keeps one rank's p
 by rank 0), which is right for what every rank holds alike (loop counters, hyper-parameters, a ``ModelCheckpoint``'s
 scores) and loses the rest: a DTensor pickles as this rank's shard, and whatever differs between ranks (per-rank RNG
 states, a rank's own statistics) comes back as one rank's. So before a save, every rank describes each entry - its
-pickle with the tensors left out, a digest of each plain tensor's bytes, its DTensors - and one ``all_gather_object``
+pickle with the tensors left out, a digest of each plain tensor's bytes, its DTensors - and one gather
 compares them. An entry that is the same on every rank and holds no DTensor is saved as before (readable with plain
 ``torch.load`` / ``dcp_to_torch_save``). The others move into one entry, :data:`EXTRA_KEY`, the same in both formats:
 
@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_shard.checkpoint.ranks import rank, world_size
+from lightning_shard.checkpoint.ranks import all_gathered, rank, world_size
 
 # The checkpoint entry that holds the entries kept per rank or holding DTensors; Lightning ignores keys it does not
 # know.
@@ -110,10 +110,7 @@ def encode_extra(checkpoint: dict[str, Any], leave: Collection[str], full: bool)
     keys = [key for key in checkpoint if key not in leave and key != EXTRA_KEY]
     described = {key: _describe(checkpoint[key]) for key in keys}
     fingerprints = {key: found[3] for key, found in described.items()}
-    everyone = [fingerprints]
-    if _distributed_is_initialized() and world_size() > 1:
-        everyone = [None] * world_size()
-        dist.all_gather_object(everyone, fingerprints)
+    everyone = all_gathered(fingerprints)
     encoded = {key: value for key, value in checkpoint.items() if key not in described}
     extra: dict[str, Any] = {"world_size": world_size(), "dtensors": {}, "replicated": {}, "per_rank": {}}
     for key, (data, plain, dtensors, _) in described.items():

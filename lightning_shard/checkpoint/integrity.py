@@ -22,14 +22,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_shard.checkpoint import checksums
-from lightning_shard.checkpoint.ranks import rank
+from lightning_shard.checkpoint.ranks import all_gathered, rank
 
 _METADATA = ".metadata"
 _MAX_LISTED = 8
@@ -274,16 +272,11 @@ def unwrapped(error: BaseException) -> BaseException:
 def agree(error: BaseException | None) -> None:
     """Raise on every rank if any rank found a problem (call on every rank, after each one's own check).
 
-    One ``all_gather_object`` of each rank's message: every rank reaches the same decision, so none is left
-    waiting in a collective of the load that the others abandoned.
+    One gather of each rank's message: every rank reaches the same decision, so none is left waiting in a
+    collective of the load that the others abandoned.
     """
     message = None if error is None else f"{error}"
-    if _distributed_is_initialized() and dist.get_world_size() > 1:
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-        found = [(rank, text) for rank, text in enumerate(messages) if text is not None]
-    else:
-        found = [(0, message)] if message is not None else []
+    found = [(rank, text) for rank, text in enumerate(all_gathered(message)) if text is not None]
     if not found:
         return
     if error is not None and isinstance(error, CheckpointIntegrityError):

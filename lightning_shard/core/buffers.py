@@ -19,12 +19,13 @@ agree on. Between the micro-batches of one accumulated step each rank's own batc
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from lightning_shard.checkpoint.ranks import all_gathered
 
 
 @torch.no_grad()
@@ -59,7 +60,6 @@ def _buffers_every_rank_holds(model: nn.Module) -> list[torch.Tensor]:
         if not isinstance(buffer, DTensor) and not buffer.is_meta
     )
     entries = [(name, tuple(buffer.shape), str(buffer.dtype), buffer.device.type) for name, buffer in named]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, entries)
+    gathered = all_gathered(entries)
     common = set(entries).intersection(*(set(other) for other in gathered))
     return [buffer for (name, buffer), entry in zip(named, entries, strict=True) if entry in common]
